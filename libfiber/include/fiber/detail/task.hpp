@@ -1,0 +1,65 @@
+// Internal: the type-erased body of a fiber and its result slot. Public only because the spawn
+// templates construct it; not part of the API.
+#pragma once
+
+#include <exception>
+#include <new>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+#include "fiber/config.hpp"
+
+namespace fiber::detail {
+
+struct Fiber;  // the control block, libfiber/src/sched/fiber.hpp
+
+// The callable a fiber runs, placed in the same allocation as its control block.
+struct TaskBase {
+  virtual void run() = 0;  // runs the callable, storing its value; may throw
+  virtual ~TaskBase() = default;
+  std::exception_ptr error;  // set by the runtime when run() throws
+};
+
+template <typename T>
+struct ResultSlot : TaskBase {
+  std::optional<T> value;
+};
+template <>
+struct ResultSlot<void> : TaskBase {};
+
+template <typename F, typename T>
+struct TaskImpl final : ResultSlot<T> {
+  explicit TaskImpl(F&& f) : fn(std::move(f)) {}
+  void run() override {
+    if constexpr (std::is_void_v<T>) {
+      fn();
+    } else {
+      this->value.emplace(fn());
+    }
+  }
+  F fn;
+};
+
+struct SpawnRequest;  // fiber/spawn.hpp
+
+// Allocates a control block with room for a task of `size` bytes; returns the task storage.
+FIBER_API Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t task_align,
+                              void** task_storage);
+// Hands a created fiber (whose task is constructed) to its scheduler. `joinable` keeps a
+// reference for a JoinHandle.
+FIBER_API void fiber_submit(Fiber* f, TaskBase* task, bool joinable);
+// Frees a created fiber whose task constructor threw.
+FIBER_API void fiber_abandon(Fiber* f) noexcept;
+// JoinHandle support: wait for the fiber to finish (parks a fiber, blocks a thread).
+FIBER_API void fiber_join(Fiber* f);
+FIBER_API bool fiber_finished(const Fiber* f) noexcept;
+// Gives up the handle's reference without joining; reports an unobserved exception.
+FIBER_API void fiber_detach(Fiber* f) noexcept;
+// Drops the handle's reference after a join.
+FIBER_API void fiber_release(Fiber* f) noexcept;
+FIBER_API unsigned long long fiber_id(const Fiber* f) noexcept;
+// Requests cancellation: the fiber's current and later parks end with fiber::Cancelled.
+FIBER_API void fiber_cancel(Fiber* f) noexcept;
+
+}  // namespace fiber::detail

@@ -1,0 +1,155 @@
+// Internal: the one parking primitive every blocking operation is built on. Public only because
+// templates (Channel<T>, ...) use it; not part of the API. See libfiber/README.md, "Parking".
+//
+// A Waiter is a wait record on the waiting side's stack. It names who waits: a fiber (which is
+// parked) or a plain thread (which blocks). Wakers race to claim it with one CAS; exactly one
+// wins and wakes the waiter, the losers do nothing (the single-waker rule). Timeouts,
+// cancellation and peers all claim through the same CAS, so each wait ends exactly once.
+//
+// For a fiber the claim word lives in the fiber's control block and carries a generation that
+// changes with every wait, so a late claim on a finished wait fails harmlessly; for a thread it
+// lives in the record itself.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+#include "fiber/config.hpp"
+
+namespace fiber::detail {
+
+struct Fiber;
+struct ThreadParker;
+
+enum class WakeReason : uint8_t {
+  Pending = 0,    // not yet claimed
+  Notified = 1,   // a peer woke it
+  Timeout = 2,    // its deadline passed
+  Cancelled = 3,  // its fiber was cancelled (or its scheduler stopped)
+};
+
+// Why a fiber is parked; a debugger prints it (fiber dump, gdb extension).
+enum class ParkReason : uint8_t {
+  None = 0,
+  Yield,
+  Join,
+  Sleep,
+  BlockOn,
+  WaitGroup,
+  Channel,
+  Select,
+  Mutex,
+  RWMutex,
+  CondVar,
+  Semaphore,
+  Latch,
+  Barrier,
+  Once,
+  IO,
+  Blocking,
+};
+FIBER_API const char* park_reason_name(ParkReason r) noexcept;
+
+struct Waiter {
+  Fiber* fiber = nullptr;          // the waiting fiber, or nullptr for a thread
+  ThreadParker* parker = nullptr;  // the waiting thread's parker (fiber == nullptr)
+  uint64_t gen = 0;                // fiber: the wait generation this record belongs to
+  // thread: WakeReason, claimed with one CAS; kClaimBusy is set between claim and wake.
+  std::atomic<uint8_t> state{0};
+  static constexpr uint8_t kClaimBusy = 0x80;
+  // Intrusive links for WaitQueue; owned by whoever holds the queue's lock.
+  Waiter* next = nullptr;
+  Waiter* prev = nullptr;
+  // Free for the primitive: a value slot, a select case index, ...
+  void* payload = nullptr;
+  uintptr_t tag = 0;
+};
+
+// Binds `w` to the calling fiber (starting a new wait generation) or thread. Must precede making
+// `w` visible to wakers.
+FIBER_API void waiter_prepare(Waiter& w) noexcept;
+// Parks until `w` is claimed, or its deadline passes (then claims it as Timeout itself).
+// Returns the reason it was claimed with. A cancelled fiber returns Cancelled at once.
+FIBER_API WakeReason waiter_wait(Waiter& w, ParkReason why) noexcept;
+FIBER_API WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_clock::time_point deadline) noexcept;
+// Claiming and waking are two steps so a waker can hand over a value between them:
+//   if (waiter_claim(w, Notified)) { *slot_of(w) = value; waiter_wake(w); }
+// After a successful claim the waiter cannot resume until waiter_wake(); after waiter_wake()
+// the record may be gone and must not be touched.
+FIBER_API bool waiter_claim(Waiter& w, WakeReason reason) noexcept;
+FIBER_API void waiter_wake(Waiter& w) noexcept;
+// claim + wake. False if someone else claimed it first.
+inline bool waiter_notify(Waiter& w, WakeReason reason = WakeReason::Notified) noexcept {
+  if (!waiter_claim(w, reason)) return false;
+  waiter_wake(w);
+  return true;
+}
+// The reason `w` was claimed with, or Pending.
+FIBER_API WakeReason waiter_state(const Waiter& w) noexcept;
+
+// A tiny spinlock for wait-queue state: held for a few instructions, never across a switch.
+class SpinLock {
+ public:
+  void lock() noexcept {
+    for (;;) {
+      if (!locked_.exchange(true, std::memory_order_acquire)) return;
+      while (locked_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
+    }
+  }
+  bool try_lock() noexcept {
+    return !locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire);
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
+// An intrusive FIFO of Waiters. Not thread-safe itself: the owning primitive's lock guards it.
+class WaitQueue {
+ public:
+  bool empty() const noexcept { return head_ == nullptr; }
+  Waiter* front() const noexcept { return head_; }
+  void push_back(Waiter* w) noexcept {
+    w->next = nullptr;
+    w->prev = tail_;
+    if (tail_) tail_->next = w; else head_ = w;
+    tail_ = w;
+  }
+  void remove(Waiter* w) noexcept {
+    if (w->prev) w->prev->next = w->next; else head_ = w->next;
+    if (w->next) w->next->prev = w->prev; else tail_ = w->prev;
+    w->next = w->prev = nullptr;
+  }
+  // True while `w` is linked in this queue (a popped waiter has no prev and is not the head).
+  bool contains(const Waiter* w) const noexcept { return w->prev != nullptr || head_ == w; }
+  // For a waiter whose wait ended by timeout or cancel: unlink it if no waker popped it yet.
+  void remove_if_queued(Waiter* w) noexcept {
+    if (contains(w)) remove(w);
+  }
+  Waiter* pop_front() noexcept {
+    Waiter* w = head_;
+    if (w) remove(w);
+    return w;
+  }
+  // Wakes and removes the first waiter that can still be claimed; skips (and removes) stale
+  // ones whose wait already ended (timed out, cancelled). False if none was woken.
+  bool notify_one(WakeReason reason = WakeReason::Notified) noexcept {
+    while (Waiter* w = pop_front()) {
+      if (waiter_notify(*w, reason)) return true;
+    }
+    return false;
+  }
+  std::size_t notify_all(WakeReason reason = WakeReason::Notified) noexcept {
+    std::size_t n = 0;
+    while (Waiter* w = pop_front()) n += waiter_notify(*w, reason) ? 1 : 0;
+    return n;
+  }
+
+ private:
+  Waiter* head_ = nullptr;
+  Waiter* tail_ = nullptr;
+};
+
+}  // namespace fiber::detail

@@ -1,0 +1,205 @@
+// Spawning fibers: fiber::spawn returns a typed JoinHandle; `go` starts a detached fiber.
+//
+//   auto h = fiber::spawn([](int x) { return x * 2; }, 21);
+//   int v = h.join();                        // 42; rethrows what the fiber threw
+//
+//   go [=] { serve(conn); };                 // detached, Go style
+//   go go_stack(256 << 10) go_name("acceptor") [=] { accept_loop(); };
+//   fiber::spawn({.stack_size = 16 << 10, .name = "tick"}, [] { ... }).detach();
+//
+// From inside a fiber, new fibers go to the spawning fiber's scheduler (and join its block_on
+// group); from a plain thread, to the default scheduler, unless `scheduler` says otherwise.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "fiber/config.hpp"
+#include "fiber/detail/task.hpp"
+#include "fiber/error.hpp"
+
+namespace fiber {
+
+class Scheduler;
+
+// The smallest stack that still runs ordinary code comfortably is a few KiB; below a page,
+// stacks are "compact": packed without guard pages (see libfiber/README.md, "Stacks").
+inline constexpr std::size_t compact_stack_size = 2048;
+
+struct SpawnOptions {
+  std::size_t stack_size = 0;      // 0: the scheduler's default; below 2048: UsageError
+  Scheduler* scheduler = nullptr;  // nullptr: the current fiber's scheduler, else the default one
+  std::string_view name = {};      // shown by fiber::dump and the gdb extension; copied
+};
+
+namespace detail {
+class Group;
+struct SpawnRequest {
+  SpawnOptions options;
+  Group* group = nullptr;      // explicit block_on group; nullptr: inherit the spawner's
+};
+
+template <typename F, typename... Args>
+auto bind_call(F&& f, Args&&... args) {
+  return [fn = std::decay_t<F>(std::forward<F>(f)),
+          tup = std::make_tuple(std::decay_t<Args>(std::forward<Args>(args))...)]() mutable -> decltype(auto) {
+    return std::apply(std::move(fn), std::move(tup));
+  };
+}
+
+template <typename F>
+void check_callable(const F& f) {
+  if constexpr (std::is_pointer_v<F> || std::is_member_pointer_v<F>) {
+    if (f == nullptr) throw UsageError("fiber::spawn: the callable is empty (a null function pointer)");
+  } else if constexpr (requires { f == nullptr; }) {
+    if (f == nullptr) throw UsageError("fiber::spawn: the callable is empty (an empty std::function)");
+  }
+}
+}  // namespace detail
+
+// The owner's handle on a spawned fiber. Move-only. Destroying it without join() detaches.
+template <typename T>
+class JoinHandle {
+ public:
+  JoinHandle() = default;
+  JoinHandle(JoinHandle&& o) noexcept : f_(std::exchange(o.f_, nullptr)), slot_(std::exchange(o.slot_, nullptr)) {}
+  JoinHandle& operator=(JoinHandle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      f_ = std::exchange(o.f_, nullptr);
+      slot_ = std::exchange(o.slot_, nullptr);
+    }
+    return *this;
+  }
+  ~JoinHandle() { reset(); }
+
+  // Waits for the fiber (parks a fiber, blocks a thread) and returns its value or rethrows its
+  // exception. Throws UsageError if the handle was already joined or detached, or if a fiber
+  // joins itself.
+  T join() {
+    if (!f_) throw UsageError("fiber::JoinHandle::join: the handle is empty (already joined, detached or moved from)");
+    detail::fiber_join(f_);
+    detail::Fiber* f = std::exchange(f_, nullptr);
+    struct Release {
+      detail::Fiber* f;
+      ~Release() { detail::fiber_release(f); }
+    } release{f};
+    if (slot_->error) std::rethrow_exception(slot_->error);
+    if constexpr (!std::is_void_v<T>) return std::move(*slot_->value);
+  }
+
+  // Lets the fiber run on unobserved. An exception it throws is then reported as unhandled
+  // (see set_unhandled_exception_handler). Throws UsageError on an empty handle.
+  void detach() {
+    if (!f_) throw UsageError("fiber::JoinHandle::detach: the handle is empty (already joined, detached or moved from)");
+    reset();
+  }
+
+  bool joinable() const noexcept { return f_ != nullptr; }
+  // True once the fiber has finished (join() will not wait).
+  bool finished() const noexcept { return f_ && detail::fiber_finished(f_); }
+  // The fiber's id (as this_fiber::id() returns inside it); 0 for an empty handle.
+  unsigned long long id() const noexcept { return f_ ? detail::fiber_id(f_) : 0; }
+  // Cancels the fiber: its current and later blocking calls throw fiber::Cancelled.
+  void cancel() noexcept {
+    if (f_) detail::fiber_cancel(f_);
+  }
+
+ private:
+  template <typename F, typename... Args>
+  friend auto spawn_in(const detail::SpawnRequest& req, F&& f, Args&&... args);
+  JoinHandle(detail::Fiber* f, detail::ResultSlot<T>* slot) noexcept : f_(f), slot_(slot) {}
+  void reset() noexcept {
+    if (f_) detail::fiber_detach(std::exchange(f_, nullptr));
+  }
+
+  detail::Fiber* f_ = nullptr;
+  detail::ResultSlot<T>* slot_ = nullptr;
+};
+
+// Spawns `f(args...)` per `req` (lower level than spawn; used by block_on and wait_all).
+template <typename F, typename... Args>
+auto spawn_in(const detail::SpawnRequest& req, F&& f, Args&&... args) {
+  detail::check_callable(f);
+  auto call = detail::bind_call(std::forward<F>(f), std::forward<Args>(args)...);
+  using Call = decltype(call);
+  using T = std::invoke_result_t<Call&>;
+  using Task = detail::TaskImpl<Call, T>;
+  void* mem = nullptr;
+  detail::Fiber* fib = detail::fiber_create(req, sizeof(Task), alignof(Task), &mem);
+  Task* task;
+  try {
+    task = new (mem) Task(std::move(call));
+  } catch (...) {
+    detail::fiber_abandon(fib);
+    throw;
+  }
+  detail::fiber_submit(fib, task, true);
+  return JoinHandle<T>(fib, task);
+}
+
+// Spawns a fiber running f(args...) and returns its JoinHandle.
+template <typename F, typename... Args>
+  requires std::invocable<std::decay_t<F>&, std::decay_t<Args>...>
+auto spawn(F&& f, Args&&... args) {
+  return spawn_in(detail::SpawnRequest{}, std::forward<F>(f), std::forward<Args>(args)...);
+}
+template <typename F, typename... Args>
+  requires std::invocable<std::decay_t<F>&, std::decay_t<Args>...>
+auto spawn(const SpawnOptions& options, F&& f, Args&&... args) {
+  return spawn_in(detail::SpawnRequest{options}, std::forward<F>(f), std::forward<Args>(args)...);
+}
+
+// What to do with an exception that escapes a detached fiber. The default prints the fiber's id,
+// name and the exception's message to stderr and aborts. Returns the previous handler.
+struct UnhandledException {
+  unsigned long long fiber_id;
+  std::string_view fiber_name;
+  std::exception_ptr error;
+};
+using UnhandledExceptionHandler = void (*)(const UnhandledException&);
+FIBER_API UnhandledExceptionHandler set_unhandled_exception_handler(UnhandledExceptionHandler h) noexcept;
+
+namespace detail {
+// `go` support: `Go{} - f` spawns f detached; options chain in front of it.
+struct Go {
+  SpawnOptions options;
+  template <typename F>
+    requires std::invocable<std::decay_t<F>&>
+  void operator-(F&& f) const {
+    spawn(options, std::forward<F>(f)).detach();
+  }
+};
+struct GoOption {
+  enum Kind { Stack, Name, On } kind;
+  std::size_t stack = 0;
+  std::string_view name = {};
+  Scheduler* sched = nullptr;
+};
+inline Go operator-(Go g, const GoOption& o) {
+  switch (o.kind) {
+    case GoOption::Stack: g.options.stack_size = o.stack; break;
+    case GoOption::Name: g.options.name = o.name; break;
+    case GoOption::On: g.options.scheduler = o.sched; break;
+  }
+  return g;
+}
+}  // namespace detail
+
+}  // namespace fiber
+
+// go f;                        spawn f detached on the current (or default) scheduler
+// go go_stack(N) f;            with an N-byte stack
+// go go_name("x") f;           named (the name is copied)
+// go go_on(sched) f;           on scheduler `sched` (a fiber::Scheduler&)
+// Options combine: go go_name("acceptor") go_stack(1 << 20) [=] { ... };
+#ifndef FIBER_NO_GO_MACRO
+#define go ::fiber::detail::Go{} -
+#endif
+#define go_stack(n) ::fiber::detail::GoOption{::fiber::detail::GoOption::Stack, (n)} -
+#define go_name(s) ::fiber::detail::GoOption{::fiber::detail::GoOption::Name, 0, (s)} -
+#define go_on(s) ::fiber::detail::GoOption{::fiber::detail::GoOption::On, 0, {}, &(s)} -

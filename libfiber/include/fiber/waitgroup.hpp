@@ -1,0 +1,44 @@
+// WaitGroup: waits for a collection of tasks to finish (Go's sync.WaitGroup).
+//
+//   fiber::WaitGroup wg;
+//   for (int i = 0; i < n; ++i) {
+//     wg.add(1);
+//     go [&wg] { work(); wg.done(); };
+//   }
+//   wg.wait();  // parks a fiber, blocks a thread
+//
+// Usable from fibers and plain threads, on any scheduler.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+
+#include "fiber/config.hpp"
+#include "fiber/detail/wait.hpp"
+
+namespace fiber {
+
+class FIBER_API WaitGroup {
+ public:
+  WaitGroup() = default;
+  WaitGroup(const WaitGroup&) = delete;
+  WaitGroup& operator=(const WaitGroup&) = delete;
+
+  // Adds delta (may be negative) to the counter; reaching zero wakes every waiter.
+  // Throws UsageError if the counter would go negative.
+  void add(std::int64_t delta = 1);
+  // add(-1).
+  void done() { add(-1); }
+  // Returns when the counter is zero. Throws Cancelled if the waiting fiber is cancelled.
+  void wait();
+  // The current counter (a snapshot).
+  std::int64_t count() const noexcept { return count_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<std::int64_t> count_{0};  // the reaching-zero decrement is acq_rel
+  detail::SpinLock mu_;
+  detail::WaitQueue waiters_;           // GUARDED_BY(mu_)
+};
+
+}  // namespace fiber

@@ -1,0 +1,194 @@
+#include "context/stack.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "fiber/error.hpp"
+
+namespace fiber::detail {
+namespace {
+
+std::size_t read_max_map_count() {
+  std::size_t v = 65530;
+  if (FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+    unsigned long long x = 0;
+    if (std::fscanf(f, "%llu", &x) == 1 && x > 0) v = x;
+    std::fclose(f);
+  }
+  return v;
+}
+
+constexpr std::size_t kChunkBytes = std::size_t{64} << 20;  // shared mappings for unguarded stacks
+
+
+}  // namespace
+
+std::size_t stack_size_class(std::size_t requested) {
+  if (requested < kMinStackSize) {
+    throw UsageError("fiber: stack size " + std::to_string(requested) + " is below the minimum of " +
+                     std::to_string(kMinStackSize) + " bytes");
+  }
+  if (requested > kMaxStackSize) {
+    throw UsageError("fiber: stack size " + std::to_string(requested) + " is above the maximum of " +
+                     std::to_string(kMaxStackSize) + " bytes");
+  }
+  const std::size_t page = 4096;
+  if (requested < page) return (requested + 255) & ~std::size_t{255};  // compact: 256-byte steps
+  return (requested + page - 1) & ~(page - 1);
+}
+
+StackAllocator& StackAllocator::instance() {
+  // Never destroyed: stacks may be returned by threads still running during static destruction.
+  static StackAllocator* a = new StackAllocator();
+  return *a;
+}
+
+StackAllocator::StackAllocator() {
+  page_ = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  // Guarded stacks cost two mappings each. Spend at most a quarter of vm.max_map_count on them,
+  // leaving the rest to the program (its heap, libraries, files). FIBER_GUARDED_STACKS overrides.
+  guarded_limit_ = read_max_map_count() / 8;
+  if (const char* env = std::getenv("FIBER_GUARDED_STACKS")) {
+    char* end = nullptr;
+    unsigned long long v = std::strtoull(env, &end, 10);
+    if (end != env && *end == '\0') guarded_limit_ = v;
+  }
+}
+
+Stack StackAllocator::allocate_guarded(std::size_t size) {
+  const std::size_t total = size + page_;
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK,
+                 -1, 0);
+  if (p == MAP_FAILED) return {};
+  if (mprotect(p, page_, PROT_NONE) != 0) {
+    munmap(p, total);
+    return {};
+  }
+  return Stack{static_cast<char*>(p) + page_, size, StackKind::Guarded};
+}
+
+Stack StackAllocator::carve_locked(std::size_t size) {
+  Chunk& c = chunks_[size];
+  if (c.next == nullptr || static_cast<std::size_t>(c.end - c.next) < size) {
+    const std::size_t bytes = size >= kChunkBytes / 16 ? size * 16 : kChunkBytes;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return {};
+    // Stacks touch one page each; huge pages would commit megabytes per fiber.
+    madvise(p, bytes, MADV_NOHUGEPAGE);
+    ++mappings_;
+    c.next = static_cast<char*>(p);
+    c.end = c.next + bytes;
+  }
+  Stack s{c.next, size, size < page_ ? StackKind::Compact : StackKind::Unguarded};
+  c.next += size;
+  return s;
+}
+
+Stack StackAllocator::allocate(std::size_t size) {
+  Stack s;
+  {
+    std::lock_guard lock(mu_);
+    const bool compact = size < page_;
+    if (!compact && guarded_live_ < guarded_limit_) {
+      ++guarded_live_;  // reserve; allocate outside the lock
+    } else {
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        s = it->second.back();
+        it->second.pop_back();
+        --pooled_;
+      } else {
+        s = carve_locked(size);
+      }
+      if (s) ++unguarded_live_;
+    }
+  }
+  if (!s && size >= page_) {
+    s = allocate_guarded(size);
+    std::lock_guard lock(mu_);
+    if (s) {
+      mappings_ += 2;
+    } else {
+      // Out of mappings or memory for a guarded stack: fall back to the unguarded pool.
+      --guarded_live_;
+      s = carve_locked(size);
+      if (s) ++unguarded_live_;
+    }
+  }
+  if (!s) {
+    throw ResourceError("fiber: cannot allocate a " + std::to_string(size) + "-byte stack: " + std::strerror(errno));
+  }
+  return s;
+}
+
+void StackAllocator::release_locked(Stack s) noexcept {
+  if (s.kind == StackKind::Guarded) {
+    munmap(s.lo - page_, s.size + page_);
+    --guarded_live_;
+    mappings_ -= 2;
+    return;
+  }
+  --unguarded_live_;
+  free_[s.size].push_back(s);
+  ++pooled_;
+}
+
+void StackAllocator::release(Stack s) noexcept {
+  std::lock_guard lock(mu_);
+  release_locked(s);
+}
+
+void StackAllocator::release_batch(Stack* stacks, std::size_t n) noexcept {
+  std::lock_guard lock(mu_);
+  for (std::size_t i = 0; i < n; ++i) release_locked(stacks[i]);
+}
+
+StackStats StackAllocator::stats() {
+  std::lock_guard lock(mu_);
+  return StackStats{guarded_live_, guarded_limit_, unguarded_live_, mappings_, pooled_};
+}
+
+// ------------------------------------------------------------------------------------ cache
+
+StackCache::~StackCache() {
+  for (Bin& b : bins_) StackAllocator::instance().release_batch(b.stacks.data(), b.stacks.size());
+}
+
+StackCache::Bin& StackCache::bin(std::size_t size_class) {
+  for (Bin& b : bins_) {
+    if (b.size_class == size_class) return b;
+  }
+  bins_.push_back(Bin{size_class, {}});
+  bins_.back().stacks.reserve(kMaxCached);
+  return bins_.back();
+}
+
+Stack StackCache::get(std::size_t size_class) {
+  Bin& b = bin(size_class);
+  if (!b.stacks.empty()) {
+    Stack s = b.stacks.back();
+    b.stacks.pop_back();
+    return s;
+  }
+  return StackAllocator::instance().allocate(size_class);
+}
+
+void StackCache::put(Stack s) noexcept {
+  Bin& b = bin(s.size);
+  if (b.stacks.size() >= kMaxCached) {
+    // Give half back in one batch so a producer/consumer imbalance between processors does not
+    // pin memory in one cache.
+    const std::size_t half = kMaxCached / 2;
+    StackAllocator::instance().release_batch(b.stacks.data() + half, b.stacks.size() - half);
+    b.stacks.resize(half);
+  }
+  b.stacks.push_back(s);
+}
+
+}  // namespace fiber::detail

@@ -1,0 +1,121 @@
+// Fiber stacks: mmap'd, lazily committed, recycled.
+//
+// Three kinds, chosen per allocation:
+//   Guarded   - its own mapping with a PROT_NONE guard page below it (two kernel mappings).
+//               Used while the mapping budget allows (see StackAllocator::guarded_limit()).
+//   Unguarded - carved from large shared mappings, no guard page: the fallback once the budget
+//               is spent, so a million fibers fit under vm.max_map_count = 65530.
+//   Compact   - below a page, packed back to back in shared mappings, never guarded: the
+//               documented option for fibers known to need little stack.
+// Every stack has a zero red zone at its lowest addresses, checked at each switch away from it;
+// for unguarded and compact stacks that check is the only overflow detection.
+//
+// Stacks are recycled through a per-processor StackCache (owner-only, no locking) in front of
+// the process-wide StackAllocator (mutex). Memory is committed lazily: a stack that only ever
+// used its top page costs one page of RSS.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace fiber::detail {
+
+enum class StackKind : uint8_t { None, Guarded, Unguarded, Compact };
+
+// The lowest bytes of every stack are a red zone that must stay zero (never-touched memory reads
+// as zero without being committed, so checking it costs no RSS). A write there means the fiber
+// overflowed its stack; the check runs at every switch away from a fiber (see check_stack).
+inline constexpr std::size_t kRedZone = 256;
+inline constexpr std::size_t kMinStackSize = 2048;
+inline constexpr std::size_t kDefaultStackSize = 64 * 1024;
+inline constexpr std::size_t kMaxStackSize = std::size_t{1} << 30;
+
+struct Stack {
+  char* lo = nullptr;     // lowest usable address; the canary lives here
+  std::size_t size = 0;   // usable bytes, lo + size is the initial stack pointer
+  StackKind kind = StackKind::None;
+
+  char* top() const noexcept { return lo + size; }
+  std::size_t usable() const noexcept { return size - kRedZone; }
+  explicit operator bool() const noexcept { return lo != nullptr; }
+  // The word at the top of the red zone is the first an overflow writes.
+  bool redzone_intact() const noexcept {
+    return *reinterpret_cast<const uint64_t*>(lo + kRedZone - sizeof(uint64_t)) == 0;
+  }
+};
+
+// Rounds a requested size to the size class actually allocated; throws fiber::UsageError for a
+// size below kMinStackSize or above kMaxStackSize.
+std::size_t stack_size_class(std::size_t requested);
+
+struct StackStats {
+  std::size_t guarded_live = 0;    // guarded stacks handed out and not yet returned
+  std::size_t guarded_limit = 0;   // budget for guarded stacks
+  std::size_t unguarded_live = 0;  // unguarded + compact stacks handed out
+  std::size_t mappings = 0;        // kernel mappings this allocator holds (approximate)
+  std::size_t pooled = 0;          // stacks idle in the global pool
+};
+
+// Process-wide. Thread-safe.
+class StackAllocator {
+ public:
+  static StackAllocator& instance();
+
+  // Throws fiber::ResourceError when no memory or mapping can be had.
+  Stack allocate(std::size_t size_class);
+  void release(Stack s) noexcept;
+  // Returns many stacks at once (a cache overflowing), taking the lock once.
+  void release_batch(Stack* stacks, std::size_t n) noexcept;
+
+  std::size_t guarded_limit() const noexcept { return guarded_limit_; }
+  StackStats stats();
+
+ private:
+  StackAllocator();
+  Stack allocate_guarded(std::size_t size);
+  Stack carve_locked(std::size_t size);  // REQUIRES(mu_)
+  void release_locked(Stack s) noexcept; // REQUIRES(mu_)
+
+  std::size_t page_ = 4096;
+  std::size_t guarded_limit_ = 0;  // immutable after construction
+
+  std::mutex mu_;
+  // Everything below is GUARDED_BY(mu_).
+  std::size_t guarded_live_ = 0;
+  std::size_t unguarded_live_ = 0;
+  std::size_t mappings_ = 0;
+  struct Chunk {
+    char* next = nullptr;  // next free byte in the current chunk
+    char* end = nullptr;
+  };
+  std::unordered_map<std::size_t, Chunk> chunks_;                 // per size class
+  std::unordered_map<std::size_t, std::vector<Stack>> free_;      // unguarded/compact, per class
+  std::size_t pooled_ = 0;
+};
+
+// A processor's private cache of stacks. Executed only by the owner processor.
+class StackCache {
+ public:
+  static constexpr std::size_t kMaxCached = 128;  // per size class
+
+  StackCache() = default;
+  StackCache(const StackCache&) = delete;
+  StackCache& operator=(const StackCache&) = delete;
+  ~StackCache();
+
+  Stack get(std::size_t size_class);
+  void put(Stack s) noexcept;
+
+ private:
+  struct Bin {
+    std::size_t size_class = 0;
+    std::vector<Stack> stacks;
+  };
+  Bin& bin(std::size_t size_class);
+  std::vector<Bin> bins_;  // few size classes in practice; linear search
+};
+
+}  // namespace fiber::detail

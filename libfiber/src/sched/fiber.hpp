@@ -1,0 +1,114 @@
+// The fiber control block and its lifecycle.
+//
+// States and who moves a fiber between them (checked by transition()):
+//
+//   Created  --submit-->            Runnable   (spawner)
+//   Runnable --resume-->            Running    (the processor that dequeued it)
+//   Running  --yield-->             Runnable   (itself; enqueued after the switch away)
+//   Running  --begin park-->        Parking    (itself, before it becomes visible to wakers)
+//   Parking  --after the switch-->  Parked     (the context it switched to)
+//   Parking  --unpark-->            Notified   (a waker that came before the switch finished)
+//   Notified --after the switch-->  Runnable   (the context it switched to, which enqueues it)
+//   Parked   --unpark-->            Runnable   (the waker, which enqueues it)
+//   Running  --return-->            Finished   (itself; stack freed after the switch away)
+//
+// So a fiber becomes runnable only once its stack is no longer in use (invariant 1): the step
+// that publishes it runs on the other side of the switch. See libfiber/README.md, "Parking".
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+
+#include "context/stack.hpp"
+#include "context/switch.hpp"
+#include "fiber/detail/task.hpp"
+#include "fiber/detail/wait.hpp"
+
+namespace fiber::detail {
+
+class Processor;
+class SchedulerImpl;
+class Group;
+
+enum class FiberState : uint8_t { Created, Runnable, Running, Parking, Parked, Notified, Finished };
+const char* fiber_state_name(FiberState s) noexcept;
+
+// The claim word of a fiber's current wait: (generation << 8) | cancel bit | WakeReason.
+struct WakeWord {
+  static constexpr uint64_t kReasonMask = 0x7f;
+  static constexpr uint64_t kCancelBit = 0x80;
+  uint64_t gen;
+  bool cancelled;
+  WakeReason reason;
+
+  static constexpr WakeWord unpack(uint64_t v) noexcept {
+    return {v >> 8, (v & kCancelBit) != 0, static_cast<WakeReason>(v & kReasonMask)};
+  }
+  constexpr uint64_t pack() const noexcept {
+    return (gen << 8) | (cancelled ? kCancelBit : 0) | static_cast<uint64_t>(reason);
+  }
+};
+static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).gen == 5);
+static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).cancelled);
+static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Cancelled}.pack()).reason == WakeReason::Cancelled);
+
+struct Fiber {
+  // ---- switch path (first cache line)
+  RawContext ctx = nullptr;  // saved context while not running; written by whoever resumes next
+  std::atomic<FiberState> state{FiberState::Created};
+  ParkReason park_reason = ParkReason::None;
+  bool is_loop = false;  // a processor's own thread stack, not a real fiber
+  uint32_t stack_size = 0;  // size class to allocate when first run
+  Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
+  Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
+  Stack stack;  // empty until first run; written only while the fiber does not run
+  TaskBase* task = nullptr;
+  SchedulerImpl* sched = nullptr;
+
+  // ---- waits. CAS'd by wakers from any thread, see WakeWord and wait.cpp.
+  std::atomic<uint64_t> wake_word{WakeWord{0, false, WakeReason::Notified}.pack()};
+  // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter is armed), kJoinFinished,
+  // kJoinDetached. The joiner's wait record lives here, in the control block, rather than on
+  // the joiner's stack, so a joiner that gives up (cancelled) never leaves a dangling record.
+  std::atomic<uintptr_t> join_word{0};
+  static constexpr uintptr_t kJoinWaiting = 1;
+  static constexpr uintptr_t kJoinFinished = 2;
+  static constexpr uintptr_t kJoinDetached = 3;
+  Waiter join_waiter;
+  // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle.
+  std::atomic<uint32_t> refs{1};
+  uint32_t pin_depth = 0;  // PinGuard nesting; owner only
+  uint32_t reg_shard = 0;  // registry shard it is listed in
+
+  uint64_t id = 0;
+  Group* group = nullptr;          // block_on group, counted until the fiber finishes
+  char* name = nullptr;            // owned, nul-terminated; nullptr when unnamed
+  Processor* last_processor = nullptr;  // for dumps; written when resumed
+  int saved_errno = 0;             // errno of the fiber across a switch (it may migrate)
+
+  // Registry of live fibers (stop, dump): links guarded by the scheduler's registry lock.
+  Fiber* reg_prev = nullptr;
+  Fiber* reg_next = nullptr;
+
+  SanitizerStack san;
+
+  // Checked transition for the owner-side steps; wakers use CAS loops in Processor::unpark.
+  void transition(FiberState from, FiberState to) noexcept {
+    FiberState expected = from;
+    if (!state.compare_exchange_strong(expected, to, std::memory_order_acq_rel)) {
+      bad_transition(expected, from, to);
+    }
+  }
+  [[noreturn]] void bad_transition(FiberState actual, FiberState from, FiberState to) const noexcept;
+};
+
+// The current processor and fiber of this thread. Read through these non-inlined accessors
+// only: a fiber may resume on another thread after any switch, and the compiler may otherwise
+// keep a thread_local's address cached across the call that switched (invariant 3).
+Processor* current_processor() noexcept;
+Fiber* current_fiber() noexcept;
+void set_current_processor(Processor* p) noexcept;
+
+}  // namespace fiber::detail

@@ -1,0 +1,466 @@
+// The processor loop, the switch protocol and park/unpark. The essay is libfiber/README.md;
+// the short version:
+//
+//   loop:  find_work() -> run it | park the thread in the poller
+//   yield: find_work() -> switch to it, the other side enqueues us at the tail
+//   park:  find_work() -> switch to it (or to the loop), the other side publishes us as Parked
+//
+// find_work() (DESIGN §5): tick; every kEventInterval ticks poll timers/inbox; the LIFO slot (at
+// most kMaxLifoInARow times in a row); every kGlobalInterval ticks the injector first; the local
+// queue; a batch from the injector; steal half from a victim; poll again; nothing.
+#include "sched/processor.hpp"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "fiber/error.hpp"
+#include "sched/group.hpp"
+#include "sched/runtime.hpp"
+#include "sched/scheduler_impl.hpp"
+
+namespace fiber::detail {
+
+namespace {
+thread_local Processor* t_processor = nullptr;
+}  // namespace
+
+// Non-inlined on purpose (invariant 3): each call reads this thread's slot afresh.
+__attribute__((noinline)) Processor* current_processor() noexcept {
+  asm volatile("" ::: "memory");
+  return t_processor;
+}
+__attribute__((noinline)) Fiber* current_fiber() noexcept {
+  asm volatile("" ::: "memory");
+  Processor* p = t_processor;
+  if (p == nullptr) return nullptr;
+  Fiber* f = p->current();
+  return f->is_loop ? nullptr : f;
+}
+__attribute__((noinline)) void set_current_processor(Processor* p) noexcept { t_processor = p; }
+
+Processor::Processor(SchedulerImpl& sched, uint32_t index)
+    : sched_(sched), index_(index), rng_(index * 2654435761u + 1), stealer_(queue_.stealer()) {
+  loop_.is_loop = true;
+  loop_.state.store(FiberState::Running, std::memory_order_relaxed);
+  current_ = &loop_;
+}
+
+Processor::~Processor() = default;
+
+uint64_t Processor::next_fiber_id() noexcept {
+  if (id_next_ == id_end_) {
+    id_next_ = allocate_fiber_ids(1024);
+    id_end_ = id_next_ + 1024;
+  }
+  return id_next_++;
+}
+
+// ------------------------------------------------------------------------------ thread
+
+void Processor::start() {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool ready = false;
+  std::exception_ptr error;
+  thread_ = std::thread([&] {
+    try {
+      poller_ = Poller::create();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mu);
+      ready = true;
+    }
+    cv.notify_one();
+    if (!error) thread_main();
+  });
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return ready; });
+  if (error) {
+    lock.unlock();
+    thread_.join();
+    std::rethrow_exception(error);
+  }
+}
+
+void Processor::request_shutdown() noexcept {
+  shutdown_.store(true, std::memory_order_release);
+  poller_->wake();
+}
+
+void Processor::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void Processor::thread_main() {
+  set_current_processor(this);
+  loop_.san.on_thread();
+  const std::string tname = (sched_.name() + "-P" + std::to_string(index_)).substr(0, 15);
+  pthread_setname_np(pthread_self(), tname.c_str());
+
+  while (!shutdown_.load(std::memory_order_acquire)) {
+    if (Fiber* f = find_work()) {
+      run(f);
+    } else {
+      park_thread();
+    }
+  }
+  if (searching_) {
+    sched_.idle().transition_from_searching();
+    searching_ = false;
+  }
+  set_current_processor(nullptr);
+}
+
+// ------------------------------------------------------------------------------ switching
+
+void Processor::check_stack(const Fiber* f) const noexcept {
+  if (!f->stack.redzone_intact()) report_stack_overflow(f);
+}
+
+Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept {
+  if (!from->is_loop) p->check_stack(from);
+  if (!to->is_loop) {
+    to->transition(FiberState::Runnable, FiberState::Running);
+    to->last_processor = p;
+  }
+  p->current_ = to;
+  SwitchMsg msg{p, from, to, action};
+  const int saved_errno = errno;
+  Transfer t = jump(to->ctx, from->san, to->san, &msg, action == After::Finish);
+  // Resumed, possibly on another thread: everything below uses the processor from the message.
+  Processor* now = complete_switch(t);
+  errno = saved_errno;
+  return now;
+}
+
+// Runs on the context that was switched to, finishing the switch for the one that left.
+Processor* Processor::complete_switch(Transfer t) noexcept {
+  const SwitchMsg m = *static_cast<SwitchMsg*>(t.data);  // copy: `from`'s stack may be reused below
+  m.from->ctx = t.fctx;
+  switch (m.action) {
+    case After::Nothing:
+      break;
+    case After::Yield:
+      m.p->schedule_yield(m.from);
+      break;
+    case After::Park: {
+      FiberState expected = FiberState::Parking;
+      if (!m.from->state.compare_exchange_strong(expected, FiberState::Parked, std::memory_order_acq_rel)) {
+        // A waker came while it was still switching away and left the enqueueing to us.
+        if (expected != FiberState::Notified) m.from->bad_transition(expected, FiberState::Parking, FiberState::Parked);
+        m.from->state.store(FiberState::Runnable, std::memory_order_release);
+        m.p->schedule_local(m.from);
+      }
+      break;
+    }
+    case After::Finish:
+      m.p->release_finished(m.from);
+      break;
+  }
+  return m.p;
+}
+
+void Processor::fiber_main(Transfer t) noexcept {
+  on_first_entry(static_cast<SwitchMsg*>(t.data)->from->san);
+  Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
+  complete_switch(t);
+  run_task(self);
+  finish_current();
+}
+
+bool Processor::prepare_first_run(Fiber* f) noexcept {
+  try {
+    f->stack = stacks_.get(f->stack_size);
+  } catch (...) {
+    // No stack: the fiber finishes with the error without ever running (join rethrows it).
+    f->task->error = std::current_exception();
+    return false;
+  }
+  f->san.on_create(f->stack.lo, f->stack.size);
+  f->ctx = make_context(f->stack.top(), f->stack.usable(), &Processor::fiber_main);
+  return true;
+}
+
+void Processor::run(Fiber* f) noexcept {
+  if (f->pinned != nullptr && f->pinned != this) {
+    f->pinned->push_inbox(f);
+    return;
+  }
+  if (f->ctx == nullptr && !prepare_first_run(f)) {
+    f->transition(FiberState::Runnable, FiberState::Running);
+    complete_fiber(f);
+    f->transition(FiberState::Running, FiberState::Finished);
+    drop_fiber_ref(f);
+    return;
+  }
+  switch_to(this, &loop_, f, After::Nothing);
+}
+
+void Processor::yield_current() {
+  Processor* p = current_processor();
+  Fiber* self = p->current_;
+  throw_if_cancelled(self);
+  Fiber* next = p->find_work();
+  if (next == nullptr) return;  // nothing else to run: carry on
+  if (next->pinned != nullptr && next->pinned != p) {
+    next->pinned->push_inbox(next);
+    return;
+  }
+  if (next->ctx == nullptr && !p->prepare_first_run(next)) {
+    p->schedule_local(next);  // let the loop finish it
+    return;
+  }
+  self->transition(FiberState::Running, FiberState::Runnable);
+  switch_to(p, self, next, After::Yield);
+}
+
+void Processor::park_current(ParkReason why) noexcept {
+  Processor* p = current_processor();
+  Fiber* self = p->current_;
+  self->park_reason = why;
+  for (;;) {
+    // Woken before we even left: nothing to switch for.
+    FiberState s = FiberState::Notified;
+    if (self->state.compare_exchange_strong(s, FiberState::Running, std::memory_order_acq_rel)) break;
+    Fiber* next = p->find_work();
+    if (next != nullptr && next->pinned != nullptr && next->pinned != p) {
+      next->pinned->push_inbox(next);
+      continue;
+    }
+    if (next != nullptr && next->ctx == nullptr && !p->prepare_first_run(next)) {
+      p->schedule_local(next);
+      next = nullptr;
+    }
+    switch_to(p, self, next ? next : &p->loop_, After::Park);
+    break;
+  }
+  self->park_reason = ParkReason::None;
+}
+
+void Processor::finish_current() noexcept {
+  Processor* p = current_processor();
+  Fiber* self = p->current_;
+  complete_fiber(self);
+  self->transition(FiberState::Running, FiberState::Finished);
+  p = current_processor();
+  Fiber* next = p->find_work();
+  if (next != nullptr && ((next->pinned != nullptr && next->pinned != p) ||
+                          (next->ctx == nullptr && !p->prepare_first_run(next)))) {
+    p->schedule_yield(next);  // the loop deals with it
+    next = nullptr;
+  }
+  switch_to(p, self, next ? next : &p->loop_, After::Finish);
+  __builtin_unreachable();
+}
+
+void Processor::release_finished(Fiber* f) noexcept {
+  if (f->stack) {
+    f->san.on_destroy();
+    stacks_.put(f->stack);
+    f->stack = {};
+  }
+  drop_fiber_ref(f);
+}
+
+// ------------------------------------------------------------------------------ scheduling
+
+void Processor::schedule_local(Fiber* f) noexcept {
+  Fiber* prev = lifo_.exchange(f, std::memory_order_acq_rel);
+  if (prev == nullptr) return;  // the LIFO slot is not stealable: no one to tell
+  queue_.push_back_or_overflow(prev, sched_.injector());
+  sched_.notify_parked();
+}
+
+void Processor::schedule_yield(Fiber* f) noexcept {
+  queue_.push_back_or_overflow(f, sched_.injector());
+  sched_.notify_parked();
+}
+
+void Processor::push_inbox(Fiber* f) noexcept {
+  {
+    std::lock_guard lock(inbox_mu_);
+    f->next = nullptr;
+    if (inbox_tail_) inbox_tail_->next = f; else inbox_head_ = f;
+    inbox_tail_ = f;
+    inbox_nonempty_.store(true, std::memory_order_release);
+  }
+  // Either we find it asleep (and wake it), or it re-checks the inbox after going to sleep.
+  if (sched_.idle().unpark_by_id(index_)) poller_->wake();
+}
+
+bool Processor::drain_inbox() noexcept {
+  if (!inbox_nonempty_.load(std::memory_order_acquire)) return false;
+  Fiber* f;
+  {
+    std::lock_guard lock(inbox_mu_);
+    f = inbox_head_;
+    inbox_head_ = inbox_tail_ = nullptr;
+    inbox_nonempty_.store(false, std::memory_order_release);
+  }
+  bool any = false;
+  while (f) {
+    Fiber* next = f->next;
+    schedule_yield(f);
+    any = true;
+    f = next;
+  }
+  return any;
+}
+
+Fiber* Processor::take_lifo() noexcept {
+  if (lifo_.load(std::memory_order_relaxed) == nullptr) return nullptr;
+  return lifo_.exchange(nullptr, std::memory_order_acq_rel);
+}
+
+bool Processor::has_local_work() const noexcept {
+  return lifo_.load(std::memory_order_acquire) != nullptr || queue_.has_tasks() ||
+         inbox_nonempty_.load(std::memory_order_acquire);
+}
+
+Fiber* Processor::next_local() noexcept {
+  if (lifo_in_a_row_ < kMaxLifoInARow) {
+    if (Fiber* f = take_lifo()) {
+      ++lifo_in_a_row_;
+      return f;
+    }
+  } else if (Fiber* f = take_lifo()) {
+    // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back.
+    queue_.push_back_or_overflow(f, sched_.injector());
+  }
+  lifo_in_a_row_ = 0;
+  if ((tick_ & (kGlobalInterval - 1)) == 0) {
+    if (Fiber* f = sched_.injector().pop()) return f;
+  }
+  if (Fiber* f = queue_.pop()) return f;
+  // Refill from the injector: at most half a ring, so the rest stays for other processors.
+  std::size_t n = 0;
+  const std::size_t room = std::min<std::size_t>(queue_.remaining_slots(), RunQueue::capacity() / 2);
+  Fiber* first = sched_.injector().pop_batch(room, &n);
+  if (first == nullptr) return nullptr;
+  if (n > 1) queue_.push_back_batch(first->next, static_cast<uint32_t>(n - 1));
+  return first;
+}
+
+Fiber* Processor::steal_work() noexcept {
+  if (!searching_) {
+    if (!sched_.idle().transition_to_searching()) return nullptr;
+    searching_ = true;
+  }
+  const uint32_t n = sched_.num_processors();
+  rng_ ^= rng_ << 13;
+  rng_ ^= rng_ >> 17;
+  rng_ ^= rng_ << 5;
+  const uint32_t start = rng_ % n;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t victim = (start + i) % n;
+    if (victim == index_) continue;
+    if (Fiber* f = sched_.processor(victim).stealer().steal_into(queue_)) {
+      found_work_while_searching();
+      return f;
+    }
+  }
+  std::size_t got = 0;
+  const std::size_t room = std::min<std::size_t>(queue_.remaining_slots(), RunQueue::capacity() / 2);
+  if (Fiber* f = sched_.injector().pop_batch(room, &got)) {
+    if (got > 1) queue_.push_back_batch(f->next, static_cast<uint32_t>(got - 1));
+    found_work_while_searching();
+    return f;
+  }
+  return nullptr;
+}
+
+void Processor::found_work_while_searching() noexcept {
+  searching_ = false;
+  // The last searcher hands the search on: what it found may have company.
+  if (sched_.idle().transition_from_searching()) sched_.notify_parked();
+}
+
+bool Processor::maintenance() noexcept {
+  bool any = drain_inbox();
+  if (timers_.next_deadline() != TimerQueue::kNone) any |= timers_.fire_expired(steady_now_ns()) > 0;
+  return any;
+}
+
+Fiber* Processor::find_work() noexcept {
+  ++tick_;
+  if ((tick_ & (kEventInterval - 1)) == 0) maintenance();
+  if (Fiber* f = next_local()) return f;
+  if (Fiber* f = steal_work()) return f;
+  if (maintenance()) return next_local();
+  return nullptr;
+}
+
+// ------------------------------------------------------------------------------ parking
+
+bool Processor::transition_to_parked() noexcept {
+  if (has_local_work()) return false;
+  const bool last_searcher = sched_.idle().transition_to_parked(index_, searching_);
+  searching_ = false;
+  if (last_searcher) sched_.notify_if_work_pending();
+  return true;
+}
+
+bool Processor::transition_from_parked() noexcept {
+  if (has_local_work()) {
+    // Woken by our own timers or inbox: not a searcher unless someone else also woke us.
+    searching_ = !sched_.idle().unpark_by_id(index_);
+    return true;
+  }
+  if (sched_.idle().is_parked(index_)) return false;
+  searching_ = true;  // a notifier woke us (and counted us as searching) to look for work
+  return true;
+}
+
+void Processor::park_thread() noexcept {
+  if (!transition_to_parked()) return;
+  while (!shutdown_.load(std::memory_order_acquire)) {
+    if (maintenance() && transition_from_parked()) return;
+    const int64_t next = timers_.next_deadline();
+    int64_t timeout = -1;
+    if (next != TimerQueue::kNone) timeout = std::max<int64_t>(0, next - steady_now_ns());
+    poller_->wait(timeout);
+    maintenance();
+    if (transition_from_parked()) return;
+  }
+  // Shutting down: leave the sleepers list so counts stay consistent.
+  if (!sched_.idle().unpark_by_id(index_)) {
+    if (searching_) sched_.idle().transition_from_searching();
+  }
+  searching_ = false;
+}
+
+// ------------------------------------------------------------------------------ unpark
+
+void unpark(Fiber* f) noexcept {
+  FiberState s = f->state.load(std::memory_order_acquire);
+  for (;;) {
+    if (s == FiberState::Parking) {
+      // Still switching away: its processor enqueues it once the switch is complete.
+      if (f->state.compare_exchange_weak(s, FiberState::Notified, std::memory_order_acq_rel)) return;
+    } else if (s == FiberState::Parked) {
+      if (f->state.compare_exchange_weak(s, FiberState::Runnable, std::memory_order_acq_rel)) break;
+    } else {
+      f->bad_transition(s, FiberState::Parked, FiberState::Runnable);
+    }
+  }
+  Processor* p = current_processor();
+  if (f->pinned != nullptr) {
+    if (p == f->pinned) p->schedule_local(f); else f->pinned->push_inbox(f);
+  } else if (p != nullptr && &p->sched() == f->sched) {
+    p->schedule_local(f);
+  } else {
+    f->sched->inject(f);
+  }
+}
+
+}  // namespace fiber::detail

@@ -1,0 +1,367 @@
+// The public entry points behind spawn, JoinHandle, block_on and this_fiber, and the fiber
+// lifecycle (create -> submit -> run -> complete -> destroy).
+#include "sched/runtime.hpp"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+#include <thread>
+
+#include "fiber/block_on.hpp"
+#include "fiber/error.hpp"
+#include "fiber/scheduler.hpp"
+#include "fiber/spawn.hpp"
+#include "fiber/this_fiber.hpp"
+#include "sched/group.hpp"
+#include "sched/processor.hpp"
+#include "sched/scheduler_impl.hpp"
+
+namespace fiber {
+namespace detail {
+namespace {
+
+std::atomic<uint64_t> g_next_id{1};
+
+void default_unhandled(const UnhandledException& e) {
+  std::string what = "an exception not derived from std::exception";
+  try {
+    std::rethrow_exception(e.error);
+  } catch (const std::exception& ex) {
+    what = ex.what();
+  } catch (...) {
+  }
+  std::fprintf(stderr, "libfiber: fiber #%llu%s%.*s%s terminated by an uncaught exception: %s\n", e.fiber_id,
+               e.fiber_name.empty() ? "" : " '", static_cast<int>(e.fiber_name.size()), e.fiber_name.data(),
+               e.fiber_name.empty() ? "" : "'", what.c_str());
+  std::abort();
+}
+
+std::atomic<UnhandledExceptionHandler> g_unhandled{&default_unhandled};
+
+bool is_cancellation(const std::exception_ptr& e) noexcept {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Cancelled&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+// An exception nobody will observe: a detached fiber's, other than the cancellation that stop()
+// and JoinHandle::cancel() ask for.
+void report_if_unobserved(Fiber* f) noexcept {
+  if (!f->task || !f->task->error || is_cancellation(f->task->error)) return;
+  g_unhandled.load(std::memory_order_acquire)(
+      UnhandledException{f->id, f->name ? std::string_view(f->name) : std::string_view(), f->task->error});
+}
+
+constexpr std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) & ~(a - 1); }
+
+std::size_t task_offset(std::size_t task_align) noexcept {
+  return align_up(sizeof(Fiber), std::max(task_align, alignof(Fiber)));
+}
+
+void destroy_fiber(Fiber* f) noexcept {
+  if (f->task) f->task->~TaskBase();
+  delete[] f->name;
+  f->~Fiber();
+  ::operator delete(static_cast<void*>(f), std::align_val_t{alignof(std::max_align_t)});
+}
+
+SchedulerImpl& target_scheduler(const SpawnOptions& o, const Fiber* cur) {
+  if (o.scheduler) return o.scheduler->impl();
+  if (cur) return *cur->sched;
+  return Scheduler::global().impl();
+}
+
+}  // namespace
+
+uint64_t allocate_fiber_ids(uint64_t n) noexcept { return g_next_id.fetch_add(n, std::memory_order_relaxed); }
+
+Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t task_align, void** task_storage) {
+  Fiber* cur = current_fiber();
+  SchedulerImpl& s = target_scheduler(req.options, cur);
+  if (s.stopping() && (cur == nullptr || cur->sched != &s)) {
+    throw UsageError("fiber::spawn: scheduler '" + s.name() + "' is stopped");
+  }
+  const std::size_t size_class =
+      req.options.stack_size ? stack_size_class(req.options.stack_size) : s.default_stack_class();
+  if (task_align > alignof(std::max_align_t)) {
+    throw UsageError("fiber::spawn: the callable's alignment exceeds alignof(std::max_align_t)");
+  }
+  const std::size_t off = task_offset(task_align);
+  void* mem;
+  try {
+    mem = ::operator new(off + task_size, std::align_val_t{alignof(std::max_align_t)});
+  } catch (const std::bad_alloc&) {
+    throw ResourceError("fiber::spawn: out of memory for a fiber control block");
+  }
+  Fiber* f = new (mem) Fiber();
+  f->sched = &s;
+  f->stack_size = static_cast<uint32_t>(size_class);
+  Processor* p = current_processor();
+  f->id = (p && &p->sched() == &s) ? p->next_fiber_id() : allocate_fiber_ids(1);
+  f->group = req.group ? req.group : (cur ? cur->group : nullptr);
+  if (!req.options.name.empty()) {
+    f->name = new char[req.options.name.size() + 1];
+    std::memcpy(f->name, req.options.name.data(), req.options.name.size());
+    f->name[req.options.name.size()] = '\0';
+  }
+  *task_storage = static_cast<char*>(mem) + off;
+  return f;
+}
+
+void fiber_abandon(Fiber* f) noexcept {
+  f->task = nullptr;
+  destroy_fiber(f);
+}
+
+void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
+  f->task = task;
+  if (joinable) f->refs.store(2, std::memory_order_relaxed);
+  if (f->group) f->group->add();
+  Processor* p = current_processor();
+  const bool local = p != nullptr && &p->sched() == f->sched;
+  f->sched->registry().add(f, local ? p->index() : f->sched->external_shard());
+  f->transition(FiberState::Created, FiberState::Runnable);
+  if (local) {
+    p->schedule_local(f);
+  } else {
+    f->sched->inject(f);
+  }
+}
+
+void run_task(Fiber* self) noexcept {
+  try {
+    self->task->run();
+  } catch (...) {
+    self->task->error = std::current_exception();
+  }
+}
+
+void complete_fiber(Fiber* f) noexcept {
+  // Registry first: once the joiner or the group waiter runs, stop() may count this fiber gone.
+  f->sched->registry().remove(f);
+  Group* g = f->group;
+  const uintptr_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
+  if (old == Fiber::kJoinWaiting) {
+    waiter_notify(f->join_waiter);
+  } else if (old == Fiber::kJoinDetached || f->refs.load(std::memory_order_acquire) == 1) {
+    report_if_unobserved(f);  // detached, or never had a handle (go)
+  }
+  if (g) g->done();
+}
+
+void drop_fiber_ref(Fiber* f) noexcept {
+  if (f->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) destroy_fiber(f);
+}
+
+void fiber_join(Fiber* f) {
+  if (current_fiber() == f) throw UsageError("fiber::JoinHandle::join: a fiber cannot join itself");
+  if (f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinished) return;
+  waiter_prepare(f->join_waiter);
+  uintptr_t expected = 0;
+  if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
+    waiter_abandon(f->join_waiter);  // it finished in between
+    return;
+  }
+  if (waiter_wait(f->join_waiter, ParkReason::Join) == WakeReason::Cancelled) {
+    // Withdraw; if it finished meanwhile its claim fails on our (cancelled) wait: harmless,
+    // the record lives in its control block.
+    expected = Fiber::kJoinWaiting;
+    f->join_word.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+    throw Cancelled();
+  }
+}
+
+bool fiber_finished(const Fiber* f) noexcept {
+  return f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinished;
+}
+
+void fiber_detach(Fiber* f) noexcept {
+  uintptr_t expected = 0;
+  if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinDetached, std::memory_order_acq_rel) &&
+      expected == Fiber::kJoinFinished) {
+    report_if_unobserved(f);
+  }
+  drop_fiber_ref(f);
+}
+
+void fiber_release(Fiber* f) noexcept { drop_fiber_ref(f); }
+
+unsigned long long fiber_id(const Fiber* f) noexcept { return f->id; }
+
+void fiber_cancel(Fiber* f) noexcept {
+  uint64_t cur = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
+  for (;;) {
+    const WakeWord w = WakeWord::unpack(cur);
+    if (w.reason != WakeReason::Pending) return;  // not waiting: its next wait sees the bit
+    const WakeWord claimed{w.gen, true, WakeReason::Cancelled};
+    if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) {
+      unpark(f);
+      return;
+    }
+  }
+}
+
+void throw_if_cancelled(const Fiber* f) {
+  if (WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled && std::uncaught_exceptions() == 0) {
+    throw Cancelled();
+  }
+}
+
+void report_stack_overflow(const Fiber* f) noexcept {
+  char buf[256];
+  const int n = std::snprintf(buf, sizeof buf,
+                              "libfiber: stack overflow in fiber #%llu%s%s%s (stack %zu bytes, %s): its red zone "
+                              "was written; aborting\n",
+                              static_cast<unsigned long long>(f->id), f->name ? " '" : "", f->name ? f->name : "",
+                              f->name ? "'" : "", f->stack.size,
+                              f->stack.kind == StackKind::Guarded ? "guarded" : "unguarded");
+  if (n > 0) [[maybe_unused]] auto rc = ::write(2, buf, static_cast<std::size_t>(std::min(n, 255)));
+  std::abort();
+}
+
+// ------------------------------------------------------------------------------ groups
+
+void Group::done() noexcept {
+  if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  Waiter* w = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    finished_ = true;
+    // Claim under the lock (a cancelled waiter withdraws under it), wake outside it.
+    if (waiter_ && waiter_claim(*waiter_, WakeReason::Notified)) w = waiter_;
+    waiter_ = nullptr;
+  }
+  if (w) waiter_wake(*w);
+}
+
+void Group::wait() {
+  done();  // the creator's token
+  Waiter w;
+  {
+    std::lock_guard lock(mu_);
+    if (finished_) return;
+    waiter_prepare(w);
+    waiter_ = &w;
+  }
+  if (waiter_wait(w, ParkReason::BlockOn) == WakeReason::Cancelled) {
+    std::lock_guard lock(mu_);
+    if (waiter_ == &w) waiter_ = nullptr;
+    throw Cancelled();
+  }
+}
+
+Group* group_create() { return new Group(); }
+void group_wait(Group* g) { g->wait(); }
+void group_destroy(Group* g) noexcept { delete g; }
+
+// ------------------------------------------------------------------------------ registry
+
+void Registry::add(Fiber* f, std::size_t shard) noexcept {
+  Shard& s = shards_[shard];
+  f->reg_shard = static_cast<uint32_t>(shard);
+  std::lock_guard lock(s.mu);
+  f->reg_prev = nullptr;
+  f->reg_next = s.head;
+  if (s.head) s.head->reg_prev = f;
+  s.head = f;
+  ++s.count;
+}
+
+void Registry::remove(Fiber* f) noexcept {
+  Shard& s = shards_[f->reg_shard];
+  std::lock_guard lock(s.mu);
+  if (f->reg_prev) f->reg_prev->reg_next = f->reg_next; else s.head = f->reg_next;
+  if (f->reg_next) f->reg_next->reg_prev = f->reg_prev;
+  f->reg_prev = f->reg_next = nullptr;
+  --s.count;
+}
+
+std::size_t Registry::live() const noexcept {
+  std::size_t n = 0;
+  for (const Shard& s : shards_) {
+    std::lock_guard lock(const_cast<SpinLock&>(s.mu));
+    n += s.count;
+  }
+  return n;
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------ public API
+
+UnhandledExceptionHandler set_unhandled_exception_handler(UnhandledExceptionHandler h) noexcept {
+  return detail::g_unhandled.exchange(h ? h : &detail::default_unhandled, std::memory_order_acq_rel);
+}
+
+namespace this_fiber {
+
+void yield() {
+  if (detail::current_fiber() == nullptr) {
+    std::this_thread::yield();
+    return;
+  }
+  detail::Processor::yield_current();
+}
+
+unsigned long long id() noexcept {
+  const detail::Fiber* f = detail::current_fiber();
+  return f ? f->id : 0;
+}
+
+bool in_fiber() noexcept { return detail::current_fiber() != nullptr; }
+
+static detail::Fiber& require_fiber(const char* what) {
+  detail::Fiber* f = detail::current_fiber();
+  if (f == nullptr) throw UsageError(std::string("fiber::this_fiber::") + what + ": called from a plain thread, not a fiber");
+  return *f;
+}
+
+std::string_view name() {
+  const detail::Fiber& f = require_fiber("name");
+  return f.name ? std::string_view(f.name) : std::string_view();
+}
+
+unsigned processor_index() {
+  require_fiber("processor_index");
+  return detail::current_processor()->index();
+}
+
+void sleep_until(std::chrono::steady_clock::time_point deadline) {
+  detail::Fiber* f = detail::current_fiber();
+  if (f == nullptr) {
+    std::this_thread::sleep_until(deadline);
+    return;
+  }
+  detail::throw_if_cancelled(f);
+  if (deadline <= std::chrono::steady_clock::now()) {
+    yield();
+    return;
+  }
+  detail::Waiter w;
+  detail::waiter_prepare(w);
+  if (detail::waiter_wait_until(w, detail::ParkReason::Sleep, deadline) == detail::WakeReason::Cancelled) {
+    throw Cancelled();
+  }
+}
+
+PinGuard::PinGuard() {
+  detail::Fiber& f = require_fiber("PinGuard");
+  if (f.pin_depth++ == 0) f.pinned = detail::current_processor();
+}
+
+PinGuard::~PinGuard() {
+  detail::Fiber* f = detail::current_fiber();
+  if (f && --f->pin_depth == 0) f->pinned = nullptr;
+}
+
+}  // namespace this_fiber
+}  // namespace fiber

@@ -1,0 +1,24 @@
+// Fiber lifecycle helpers shared by the processor loop and the public entry points.
+#pragma once
+
+#include <cstdint>
+
+#include "sched/fiber.hpp"
+
+namespace fiber::detail {
+
+// A block of n process-unique fiber ids (never 0).
+uint64_t allocate_fiber_ids(uint64_t n) noexcept;
+// Runs the fiber's task on its own stack; an escaping exception is stored in task->error.
+void run_task(Fiber* self) noexcept;
+// The fiber is done (ran, or could not get a stack): wake its joiner, leave its group and the
+// registry, report an unobserved exception of a detached fiber.
+void complete_fiber(Fiber* f) noexcept;
+void drop_fiber_ref(Fiber* f) noexcept;
+// Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding).
+void throw_if_cancelled(const Fiber* f);
+[[noreturn]] void report_stack_overflow(const Fiber* f) noexcept;
+// Ends a prepared wait that was never made visible to wakers.
+void waiter_abandon(Waiter& w) noexcept;
+
+}  // namespace fiber::detail

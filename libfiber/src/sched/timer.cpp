@@ -1,0 +1,95 @@
+#include "sched/timer.hpp"
+
+#include <time.h>
+
+#include <mutex>
+#include <utility>
+
+namespace fiber::detail {
+
+int64_t steady_now_ns() noexcept {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+void TimerQueue::add(TimerEntry* e) {
+  std::lock_guard lock(mu_);
+  e->queue = this;
+  e->seq = seq_++;
+  e->index = heap_.size();
+  heap_.push_back(e);
+  sift_up(e->index);
+  publish_next();
+}
+
+void TimerQueue::remove(TimerEntry* e) noexcept {
+  std::lock_guard lock(mu_);
+  if (e->index == TimerEntry::kNotQueued) return;
+  erase_at(e->index);
+  publish_next();
+}
+
+std::size_t TimerQueue::fire_expired(int64_t now) noexcept {
+  if (next_deadline() > now) return 0;
+  // Claim under the lock, wake outside it: a claimed waiter cannot resume until woken, so its
+  // record stays valid; an unclaimed (lost) one is never touched after the lock is released.
+  Waiter* claimed[64];
+  std::size_t n = 0;
+  {
+    std::lock_guard lock(mu_);
+    while (!heap_.empty() && heap_[0]->deadline_ns <= now && n < std::size(claimed)) {
+      TimerEntry* e = heap_[0];
+      erase_at(0);
+      if (waiter_claim(*e->waiter, WakeReason::Timeout)) claimed[n++] = e->waiter;
+    }
+    publish_next();
+  }
+  for (std::size_t i = 0; i < n; ++i) waiter_wake(*claimed[i]);
+  return n;
+}
+
+std::size_t TimerQueue::size() const noexcept {
+  std::lock_guard lock(mu_);
+  return heap_.size();
+}
+
+void TimerQueue::sift_up(std::size_t i) noexcept {
+  while (i > 0) {
+    const std::size_t parent = (i - 1) / 2;
+    if (!less(heap_[i], heap_[parent])) break;
+    std::swap(heap_[i], heap_[parent]);
+    heap_[i]->index = i;
+    heap_[parent]->index = parent;
+    i = parent;
+  }
+}
+
+void TimerQueue::sift_down(std::size_t i) noexcept {
+  const std::size_t n = heap_.size();
+  for (;;) {
+    std::size_t best = i;
+    const std::size_t l = 2 * i + 1, r = l + 1;
+    if (l < n && less(heap_[l], heap_[best])) best = l;
+    if (r < n && less(heap_[r], heap_[best])) best = r;
+    if (best == i) break;
+    std::swap(heap_[i], heap_[best]);
+    heap_[i]->index = i;
+    heap_[best]->index = best;
+    i = best;
+  }
+}
+
+void TimerQueue::erase_at(std::size_t i) noexcept {
+  TimerEntry* gone = heap_[i];
+  gone->index = TimerEntry::kNotQueued;
+  TimerEntry* last = heap_.back();
+  heap_.pop_back();
+  if (i == heap_.size()) return;
+  heap_[i] = last;
+  last->index = i;
+  sift_up(i);
+  sift_down(last->index);
+}
+
+}  // namespace fiber::detail

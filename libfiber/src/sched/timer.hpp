@@ -1,0 +1,64 @@
+// A processor's timers: a binary min-heap of entries that live on the waiting fibers' stacks.
+//
+// Only the owning processor adds entries and fires them; any thread may remove one (a fiber
+// woken by a peer removes its timer after it resumes, wherever it resumes). The heap is guarded
+// by a spinlock held for O(log n) steps, never across a switch. Firing claims the entry's waiter
+// with WakeReason::Timeout under the lock, so a fiber that resumes for another reason and then
+// removes its entry can never race with a firing that still reads it.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "fiber/detail/wait.hpp"
+
+namespace fiber::detail {
+
+class TimerQueue;
+
+struct TimerEntry {
+  int64_t deadline_ns = 0;  // steady clock
+  uint64_t seq = 0;         // FIFO among equal deadlines
+  Waiter* waiter = nullptr;
+  TimerQueue* queue = nullptr;  // where it was added (the fiber may resume elsewhere)
+  std::size_t index = kNotQueued;  // position in the heap, GUARDED_BY(queue->mu_)
+  static constexpr std::size_t kNotQueued = std::numeric_limits<std::size_t>::max();
+};
+
+int64_t steady_now_ns() noexcept;
+
+class TimerQueue {
+ public:
+  static constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+
+  // Executed only by the owner processor.
+  void add(TimerEntry* e);
+  // Any thread. No-op if the entry already fired or was removed.
+  void remove(TimerEntry* e) noexcept;
+  // Earliest deadline, or kNone. Racy read for the owner's wait timeout.
+  int64_t next_deadline() const noexcept { return next_.load(std::memory_order_acquire); }
+  // Executed only by the owner: fires every entry due at `now`; returns how many woke a waiter.
+  std::size_t fire_expired(int64_t now) noexcept;
+  std::size_t size() const noexcept;
+
+ private:
+  bool less(const TimerEntry* a, const TimerEntry* b) const noexcept {
+    return a->deadline_ns < b->deadline_ns || (a->deadline_ns == b->deadline_ns && a->seq < b->seq);
+  }
+  void sift_up(std::size_t i) noexcept;
+  void sift_down(std::size_t i) noexcept;
+  void erase_at(std::size_t i) noexcept;
+  void publish_next() noexcept {
+    next_.store(heap_.empty() ? kNone : heap_[0]->deadline_ns, std::memory_order_release);
+  }
+
+  mutable SpinLock mu_;
+  std::vector<TimerEntry*> heap_;  // GUARDED_BY(mu_)
+  uint64_t seq_ = 0;               // GUARDED_BY(mu_)
+  std::atomic<int64_t> next_{kNone};  // heap_[0]'s deadline; stored under mu_
+};
+
+}  // namespace fiber::detail

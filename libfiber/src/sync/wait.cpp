@@ -1,0 +1,253 @@
+// Waiter: the one parking primitive (see fiber/detail/wait.hpp and libfiber/README.md).
+//
+// Fiber waits: the claim word is the fiber's wake_word, (generation, cancel bit, reason).
+// waiter_prepare starts a new generation and moves the fiber to Parking; a claim is one CAS from
+// (gen, Pending) to (gen, reason); the winner unparks the fiber. Cancellation sets the cancel bit
+// and claims a pending wait, so a wait prepared after a cancel ends at once.
+//
+// Thread waits: the claim word is the record's own state; the thread sleeps on its
+// ThreadParker, a futex word that outlives the record (parkers are pooled, never freed), so a
+// waker may touch the parker after the thread has already returned.
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "fiber/detail/wait.hpp"
+#include "sched/fiber.hpp"
+#include "sched/processor.hpp"
+#include "sched/runtime.hpp"
+#include "sched/timer.hpp"
+
+namespace fiber::detail {
+
+// ------------------------------------------------------------------------------ thread parker
+
+struct ThreadParker {
+  // 1 when a wake is pending. unpark stores 1 (release) then wakes the futex; park consumes it
+  // with an exchange (acquire), which synchronises with that store.
+  std::atomic<uint32_t> token{0};
+  ThreadParker* next_free = nullptr;
+
+  void park(const timespec* timeout) noexcept {
+    if (token.exchange(0, std::memory_order_acquire) == 1) return;
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&token), FUTEX_WAIT_PRIVATE, 0, timeout, nullptr, 0);
+    token.exchange(0, std::memory_order_acquire);
+  }
+  void unpark() noexcept {
+    token.store(1, std::memory_order_release);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&token), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  }
+};
+
+namespace {
+
+std::mutex g_parker_mu;
+ThreadParker* g_free_parkers = nullptr;  // GUARDED_BY(g_parker_mu)
+
+struct ParkerSlot {
+  ThreadParker* p = nullptr;
+  ~ParkerSlot() {
+    if (!p) return;
+    std::lock_guard lock(g_parker_mu);
+    p->next_free = g_free_parkers;
+    g_free_parkers = p;
+  }
+};
+thread_local ParkerSlot t_parker;
+
+__attribute__((noinline)) ThreadParker* this_thread_parker() {
+  ParkerSlot& slot = t_parker;
+  if (!slot.p) {
+    std::lock_guard lock(g_parker_mu);
+    if (g_free_parkers) {
+      slot.p = g_free_parkers;
+      g_free_parkers = slot.p->next_free;
+    } else {
+      slot.p = new ThreadParker();  // never freed: wakers may still hold it
+    }
+    slot.p->token.store(0, std::memory_order_relaxed);
+  }
+  return slot.p;
+}
+
+constexpr uint8_t kPending = static_cast<uint8_t>(WakeReason::Pending);
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ waiter
+
+void waiter_prepare(Waiter& w) noexcept {
+  Fiber* f = current_fiber();
+  w.fiber = f;
+  w.next = w.prev = nullptr;
+  if (f == nullptr) {
+    w.parker = this_thread_parker();
+    w.state.store(kPending, std::memory_order_relaxed);
+    return;
+  }
+  // Only this fiber changes the generation; wakers only set the reason or the cancel bit, so
+  // the CAS loop keeps a concurrent cancel.
+  uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
+  WakeWord next;
+  do {
+    const WakeWord ww = WakeWord::unpack(cur);
+    next = WakeWord{ww.gen + 1, ww.cancelled, WakeReason::Pending};
+  } while (!f->wake_word.compare_exchange_weak(cur, next.pack(), std::memory_order_acq_rel));
+  w.gen = next.gen;
+  f->state.store(FiberState::Parking, std::memory_order_release);
+}
+
+bool waiter_claim(Waiter& w, WakeReason reason) noexcept {
+  if (w.fiber == nullptr) {
+    uint8_t expected = kPending;
+    return w.state.compare_exchange_strong(expected, static_cast<uint8_t>(reason) | Waiter::kClaimBusy,
+                                           std::memory_order_acq_rel);
+  }
+  Fiber* f = w.fiber;
+  uint64_t cur = f->wake_word.load(std::memory_order_acquire);
+  for (;;) {
+    const WakeWord ww = WakeWord::unpack(cur);
+    if (ww.gen != w.gen || ww.reason != WakeReason::Pending) return false;
+    const WakeWord claimed{ww.gen, ww.cancelled, reason};
+    if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) return true;
+  }
+}
+
+void waiter_wake(Waiter& w) noexcept {
+  if (w.fiber != nullptr) {
+    unpark(w.fiber);
+    return;
+  }
+  ThreadParker* p = w.parker;  // read before the record may vanish
+  const uint8_t s = w.state.load(std::memory_order_relaxed) & ~Waiter::kClaimBusy;
+  w.state.store(s, std::memory_order_release);  // the thread may return from here on
+  p->unpark();
+}
+
+WakeReason waiter_state(const Waiter& w) noexcept {
+  if (w.fiber != nullptr) {
+    const WakeWord ww = WakeWord::unpack(w.fiber->wake_word.load(std::memory_order_acquire));
+    return ww.gen == w.gen ? ww.reason : WakeReason::Notified;
+  }
+  const uint8_t s = w.state.load(std::memory_order_acquire);
+  return (s & Waiter::kClaimBusy) ? WakeReason::Pending : static_cast<WakeReason>(s);
+}
+
+void waiter_abandon(Waiter& w) noexcept {
+  if (w.fiber == nullptr) {
+    w.state.store(static_cast<uint8_t>(WakeReason::Notified), std::memory_order_relaxed);
+    return;
+  }
+  waiter_claim(w, WakeReason::Notified);
+  // Never visible to wakers, so nobody enqueued it (a cancel may have moved it to Notified).
+  w.fiber->state.store(FiberState::Running, std::memory_order_release);
+}
+
+namespace {
+
+// A fiber wait. `entry` (optional) is its timer, already added.
+WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
+  Fiber* f = w.fiber;
+  if (WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled &&
+      waiter_claim(w, WakeReason::Cancelled)) {
+    // Claimed by ourselves: no waker will unpark us. Wakers that lost do nothing.
+    f->state.store(FiberState::Running, std::memory_order_release);
+    return WakeReason::Cancelled;
+  }
+  Processor::park_current(why);
+  return WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).reason;
+}
+
+WakeReason thread_wait(Waiter& w, const int64_t* deadline_ns) noexcept {
+  for (;;) {
+    const uint8_t s = w.state.load(std::memory_order_acquire);
+    if (s != kPending && !(s & Waiter::kClaimBusy)) return static_cast<WakeReason>(s);
+    if (s == kPending && deadline_ns) {
+      const int64_t left = *deadline_ns - steady_now_ns();
+      if (left <= 0) {
+        uint8_t expected = kPending;
+        if (w.state.compare_exchange_strong(expected, static_cast<uint8_t>(WakeReason::Timeout),
+                                            std::memory_order_acq_rel)) {
+          return WakeReason::Timeout;
+        }
+        continue;  // claimed by a waker: wait for its wake
+      }
+      const timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
+      w.parker->park(&ts);
+    } else {
+      w.parker->park(nullptr);
+    }
+  }
+}
+
+}  // namespace
+
+WakeReason waiter_wait(Waiter& w, ParkReason why) noexcept {
+  return w.fiber ? fiber_wait(w, why) : thread_wait(w, nullptr);
+}
+
+WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_clock::time_point deadline) noexcept {
+  const int64_t deadline_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count();
+  if (w.fiber == nullptr) return thread_wait(w, &deadline_ns);
+  TimerEntry entry;
+  entry.deadline_ns = deadline_ns;
+  entry.waiter = &w;
+  current_processor()->timers().add(&entry);
+  const WakeReason r = fiber_wait(w, why);
+  entry.queue->remove(&entry);  // the queue it was added to, wherever we resumed
+  return r;
+}
+
+// ------------------------------------------------------------------------------ names
+
+const char* park_reason_name(ParkReason r) noexcept {
+  switch (r) {
+    case ParkReason::None: return "none";
+    case ParkReason::Yield: return "yield";
+    case ParkReason::Join: return "join";
+    case ParkReason::Sleep: return "sleep";
+    case ParkReason::BlockOn: return "block_on";
+    case ParkReason::WaitGroup: return "waitgroup";
+    case ParkReason::Channel: return "channel";
+    case ParkReason::Select: return "select";
+    case ParkReason::Mutex: return "mutex";
+    case ParkReason::RWMutex: return "rwmutex";
+    case ParkReason::CondVar: return "condvar";
+    case ParkReason::Semaphore: return "semaphore";
+    case ParkReason::Latch: return "latch";
+    case ParkReason::Barrier: return "barrier";
+    case ParkReason::Once: return "once";
+    case ParkReason::IO: return "io";
+    case ParkReason::Blocking: return "blocking";
+  }
+  return "?";
+}
+
+const char* fiber_state_name(FiberState s) noexcept {
+  switch (s) {
+    case FiberState::Created: return "created";
+    case FiberState::Runnable: return "runnable";
+    case FiberState::Running: return "running";
+    case FiberState::Parking: return "parking";
+    case FiberState::Parked: return "parked";
+    case FiberState::Notified: return "notified";
+    case FiberState::Finished: return "finished";
+  }
+  return "?";
+}
+
+void Fiber::bad_transition(FiberState actual, FiberState from, FiberState to) const noexcept {
+  std::fprintf(stderr, "libfiber: broken invariant: fiber #%llu moved %s -> %s but was %s\n",
+               static_cast<unsigned long long>(id), fiber_state_name(from), fiber_state_name(to),
+               fiber_state_name(actual));
+  std::abort();
+}
+
+}  // namespace fiber::detail
