@@ -11,6 +11,8 @@
 #include <pthread.h>
 
 #include <cstddef>
+#include <mutex>
+#include <vector>
 
 #if defined(FIBER_ASAN)
 #include <sanitizer/asan_interface.h>
@@ -33,6 +35,25 @@ using EntryFn = void (*)(Transfer);
 inline RawContext make_context(void* stack_top, std::size_t size, EntryFn fn) noexcept {
   return boost::context::detail::make_fcontext(stack_top, size, fn);
 }
+
+#if defined(FIBER_TSAN)
+// TSan fiber contexts are expensive to create (each allocates and clears a vector clock), so
+// they are recycled: pool(nullptr) takes one, pool(f) gives f back. Every switch synchronises
+// (flags 0), so a recycled context carries no ordering a fresh one would not get anyway.
+inline void* tsan_fiber_pool(void* give_back) noexcept {
+  static std::mutex mu;
+  static std::vector<void*> pool;
+  std::lock_guard lock(mu);
+  if (give_back) {
+    pool.push_back(give_back);
+    return nullptr;
+  }
+  if (pool.empty()) return __tsan_create_fiber(0);
+  void* f = pool.back();
+  pool.pop_back();
+  return f;
+}
+#endif
 
 // What a sanitizer needs to know about one execution stack (a fiber's, or a processor thread's
 // own stack). Empty in plain builds, so the fast path carries nothing.
@@ -59,7 +80,7 @@ struct SanitizerStack {
     size = sz;
 #endif
 #if defined(FIBER_TSAN)
-    tsan_fiber = __tsan_create_fiber(0);
+    tsan_fiber = tsan_fiber_pool(nullptr);
     owns_tsan_fiber = true;
 #endif
 #if defined(FIBER_HAVE_VALGRIND)
@@ -67,8 +88,13 @@ struct SanitizerStack {
 #endif
   }
   void on_destroy() noexcept {
+#if defined(FIBER_ASAN)
+    // A finished fiber's last frames never return, so their redzones are still poisoned; the
+    // stack is recycled, so clear them before another fiber's frames land there.
+    if (bottom) __asan_unpoison_memory_region(bottom, size);
+#endif
 #if defined(FIBER_TSAN)
-    if (owns_tsan_fiber) __tsan_destroy_fiber(tsan_fiber);
+    if (owns_tsan_fiber) tsan_fiber_pool(tsan_fiber);
     tsan_fiber = nullptr;
     owns_tsan_fiber = false;
 #endif

@@ -101,6 +101,13 @@ struct Fiber {
       bad_transition(expected, from, to);
     }
   }
+  // For steps no other thread can race with (Runnable -> Running, Running -> Runnable): nobody
+  // else writes the state of a fiber that is queued or running, so a checked store suffices.
+  void set_state(FiberState from, FiberState to) noexcept {
+    const FiberState actual = state.load(std::memory_order_relaxed);
+    if (actual != from) [[unlikely]] bad_transition(actual, from, to);
+    state.store(to, std::memory_order_release);
+  }
   [[noreturn]] void bad_transition(FiberState actual, FiberState from, FiberState to) const noexcept;
 };
 

@@ -50,6 +50,13 @@ class Idle {
   uint32_t num_processors() const noexcept { return num_; }
   IdleCounts counts() const noexcept { return {counts_.load(std::memory_order_seq_cst)}; }
 
+  // Cheap pre-check for processor_to_notify(): false when no processor should be woken (one is
+  // searching already, or all are awake - always so with a single processor).
+  bool should_wake() const noexcept {
+    const IdleCounts c = counts();
+    return c.searching() == 0 && c.unparked() < num_;
+  }
+
   // The processor to wake because work was made available, if one should be woken. The woken
   // processor counts as unparked and searching from here on.
   std::optional<uint32_t> processor_to_notify() {
@@ -113,11 +120,6 @@ class Idle {
   }
 
  private:
-  bool should_wake() const noexcept {
-    const IdleCounts c = counts();
-    return c.searching() == 0 && c.unparked() < num_;
-  }
-
   const uint32_t num_;
   std::atomic<uint32_t> counts_;  // IdleCounts; see the rules above
   std::mutex mu_;

@@ -29,7 +29,8 @@
 namespace fiber::detail {
 
 namespace {
-thread_local Processor* t_processor = nullptr;
+// initial-exec: a %fs-relative load instead of a __tls_get_addr call on every switch.
+__attribute__((tls_model("initial-exec"))) thread_local Processor* t_processor = nullptr;
 }  // namespace
 
 // Non-inlined on purpose (invariant 3): each call reads this thread's slot afresh.
@@ -71,17 +72,21 @@ void Processor::start() {
   bool ready = false;
   std::exception_ptr error;
   thread_ = std::thread([&] {
+    bool ok = true;
     try {
       poller_ = Poller::create();
     } catch (...) {
       error = std::current_exception();
+      ok = false;
     }
     {
+      // Notify under the lock, and touch nothing of start()'s after it: start() may return (and
+      // its locals vanish) as soon as it sees `ready`.
       std::lock_guard lock(mu);
       ready = true;
+      cv.notify_one();
     }
-    cv.notify_one();
-    if (!error) thread_main();
+    if (ok) thread_main();
   });
   std::unique_lock lock(mu);
   cv.wait(lock, [&] { return ready; });
@@ -130,7 +135,7 @@ void Processor::check_stack(const Fiber* f) const noexcept {
 Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept {
   if (!from->is_loop) p->check_stack(from);
   if (!to->is_loop) {
-    to->transition(FiberState::Runnable, FiberState::Running);
+    to->set_state(FiberState::Runnable, FiberState::Running);
     to->last_processor = p;
   }
   p->current_ = to;
@@ -206,8 +211,7 @@ void Processor::run(Fiber* f) noexcept {
   switch_to(this, &loop_, f, After::Nothing);
 }
 
-void Processor::yield_current() {
-  Processor* p = current_processor();
+void Processor::yield_current(Processor* p) {
   Fiber* self = p->current_;
   throw_if_cancelled(self);
   Fiber* next = p->find_work();
@@ -220,7 +224,7 @@ void Processor::yield_current() {
     p->schedule_local(next);  // let the loop finish it
     return;
   }
-  self->transition(FiberState::Running, FiberState::Runnable);
+  self->set_state(FiberState::Running, FiberState::Runnable);
   switch_to(p, self, next, After::Yield);
 }
 
@@ -278,12 +282,12 @@ void Processor::schedule_local(Fiber* f) noexcept {
   Fiber* prev = lifo_.exchange(f, std::memory_order_acq_rel);
   if (prev == nullptr) return;  // the LIFO slot is not stealable: no one to tell
   queue_.push_back_or_overflow(prev, sched_.injector());
-  sched_.notify_parked();
+  if (sched_.idle().should_wake()) sched_.notify_parked();
 }
 
 void Processor::schedule_yield(Fiber* f) noexcept {
   queue_.push_back_or_overflow(f, sched_.injector());
-  sched_.notify_parked();
+  if (sched_.idle().should_wake()) sched_.notify_parked();
 }
 
 void Processor::push_inbox(Fiber* f) noexcept {
@@ -392,7 +396,24 @@ bool Processor::maintenance() noexcept {
 }
 
 Fiber* Processor::find_work() noexcept {
-  ++tick_;
+  const uint32_t tick = ++tick_;
+  // Common case first: no periodic duty this tick, and the LIFO slot or the ring has a fiber.
+  if ((tick & (kGlobalInterval - 1)) != 0 && (tick & (kEventInterval - 1)) != 0) {
+    if (lifo_in_a_row_ < kMaxLifoInARow) {
+      if (Fiber* f = take_lifo()) {
+        ++lifo_in_a_row_;
+        return f;
+      }
+    }
+    if (lifo_.load(std::memory_order_relaxed) == nullptr) {
+      lifo_in_a_row_ = 0;
+      if (Fiber* f = queue_.pop()) return f;
+    }
+  }
+  return find_work_slow();
+}
+
+Fiber* Processor::find_work_slow() noexcept {
   if ((tick_ & (kEventInterval - 1)) == 0) maintenance();
   if (Fiber* f = next_local()) return f;
   if (Fiber* f = steal_work()) return f;

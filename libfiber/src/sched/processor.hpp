@@ -53,7 +53,7 @@ class Processor {
 
   // ---- Executed only by the running fiber of the calling thread's processor. Static because
   // the fiber may resume on another processor: they never use `this` after switching.
-  static void yield_current();
+  static void yield_current(Processor* p);  // p: current_processor(), running a fiber
   // Parks the current fiber; its state is already Parking (waiter_prepare) and its wait is
   // visible to wakers. Returns when it has been unparked.
   static void park_current(ParkReason why) noexcept;
@@ -85,6 +85,7 @@ class Processor {
   void run(Fiber* f) noexcept;               // from the loop context
   bool prepare_first_run(Fiber* f) noexcept;  // stack + context for a fiber's first run
   Fiber* find_work() noexcept;
+  Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
   Fiber* steal_work() noexcept;

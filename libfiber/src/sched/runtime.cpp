@@ -305,11 +305,12 @@ UnhandledExceptionHandler set_unhandled_exception_handler(UnhandledExceptionHand
 namespace this_fiber {
 
 void yield() {
-  if (detail::current_fiber() == nullptr) {
+  detail::Processor* p = detail::current_processor();
+  if (p == nullptr || p->current()->is_loop) {
     std::this_thread::yield();
     return;
   }
-  detail::Processor::yield_current();
+  detail::Processor::yield_current(p);
 }
 
 unsigned long long id() noexcept {

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <type_traits>
 
 #include "fiber/config.hpp"
 
@@ -88,6 +89,29 @@ inline bool waiter_notify(Waiter& w, WakeReason reason = WakeReason::Notified) n
 // The reason `w` was claimed with, or Pending.
 FIBER_API WakeReason waiter_state(const Waiter& w) noexcept;
 
+// Deadlines of timed waits, on the steady clock. Deadline::max() means "no deadline".
+using Deadline = std::chrono::steady_clock::time_point;
+inline constexpr Deadline kNoDeadline = Deadline::max();
+
+// now + d, saturating: d <= 0 gives now (already expired), d beyond ~100 years gives kNoDeadline.
+template <typename Rep, typename Period>
+Deadline deadline_after(std::chrono::duration<Rep, Period> d) noexcept {
+  const Deadline now = std::chrono::steady_clock::now();
+  if (d <= d.zero()) return now;
+  if (d >= std::chrono::hours(24 * 365 * 100)) return kNoDeadline;
+  return now + std::chrono::ceil<std::chrono::steady_clock::duration>(d);
+}
+// A time point of any clock as a steady-clock deadline (other clocks: by the time left now).
+template <typename Clock, typename Duration>
+Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcept {
+  if constexpr (std::is_same_v<Clock, std::chrono::steady_clock>) {
+    if (tp == std::chrono::time_point<Clock, Duration>::max()) return kNoDeadline;
+    return std::chrono::ceil<std::chrono::steady_clock::duration>(tp);
+  } else {
+    return deadline_after(tp - Clock::now());
+  }
+}
+
 // A tiny spinlock for wait-queue state: held for a few instructions, never across a switch.
 class SpinLock {
  public:
@@ -116,6 +140,13 @@ class WaitQueue {
     w->prev = tail_;
     if (tail_) tail_->next = w; else head_ = w;
     tail_ = w;
+  }
+  // For a waiter that keeps its place (a woken mutex waiter that lost the race goes back first).
+  void push_front(Waiter* w) noexcept {
+    w->prev = nullptr;
+    w->next = head_;
+    if (head_) head_->prev = w; else tail_ = w;
+    head_ = w;
   }
   void remove(Waiter* w) noexcept {
     if (w->prev) w->prev->next = w->next; else head_ = w->next;
