@@ -95,7 +95,13 @@ Stack StackAllocator::allocate(std::size_t size) {
   {
     std::lock_guard lock(mu_);
     const bool compact = size < page_;
-    if (!compact && guarded_live_ < guarded_limit_) {
+    auto g = free_guarded_.find(size);
+    if (g != free_guarded_.end() && !g->second.empty()) {
+      s = g->second.back();  // a pooled guarded stack: no syscall at all
+      g->second.pop_back();
+      --pooled_;
+      ++guarded_live_;
+    } else if (!compact && guarded_live_ + pooled_guarded() < guarded_limit_) {
       ++guarded_live_;  // reserve; allocate outside the lock
     } else {
       auto it = free_.find(size);
@@ -128,10 +134,13 @@ Stack StackAllocator::allocate(std::size_t size) {
 }
 
 void StackAllocator::release_locked(Stack s) noexcept {
+  // Stacks are never unmapped: munmap (and mprotect) shoot down TLB entries on every CPU,
+  // which under load costs far more than the address space kept. Pages a fiber touched stay
+  // committed for the next fiber of that size class.
   if (s.kind == StackKind::Guarded) {
-    munmap(s.lo - page_, s.size + page_);
     --guarded_live_;
-    mappings_ -= 2;
+    free_guarded_[s.size].push_back(s);
+    ++pooled_;
     return;
   }
   --unguarded_live_;

@@ -93,6 +93,12 @@ class StackAllocator {
   };
   std::unordered_map<std::size_t, Chunk> chunks_;                 // per size class
   std::unordered_map<std::size_t, std::vector<Stack>> free_;      // unguarded/compact, per class
+  std::unordered_map<std::size_t, std::vector<Stack>> free_guarded_;  // per class
+  std::size_t pooled_guarded() const noexcept {  // REQUIRES(mu_)
+    std::size_t n = 0;
+    for (const auto& [size, v] : free_guarded_) n += v.size();
+    return n;
+  }
   std::size_t pooled_ = 0;
 };
 
