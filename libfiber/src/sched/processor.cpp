@@ -47,6 +47,14 @@ __attribute__((noinline)) Fiber* current_fiber() noexcept {
 }
 __attribute__((noinline)) void set_current_processor(Processor* p) noexcept { t_processor = p; }
 
+namespace {
+// glibc declares __errno_location() `const`, so within one function the compiler may reuse the
+// address it returned before a switch - the old thread's errno. Reading and writing it in
+// separate non-inlined functions forces a fresh lookup on the thread we run on now.
+__attribute__((noinline)) int load_errno() noexcept { return errno; }
+__attribute__((noinline)) void store_errno(int v) noexcept { errno = v; }
+}  // namespace
+
 Processor::Processor(SchedulerImpl& sched, uint32_t index)
     : sched_(sched), index_(index), rng_(index * 2654435761u + 1), stealer_(queue_.stealer()) {
   loop_.is_loop = true;
@@ -140,11 +148,11 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   }
   p->current_ = to;
   SwitchMsg msg{p, from, to, action};
-  const int saved_errno = errno;
+  const int saved_errno = load_errno();
   Transfer t = jump(to->ctx, from->san, to->san, &msg, action == After::Finish);
   // Resumed, possibly on another thread: everything below uses the processor from the message.
   Processor* now = complete_switch(t);
-  errno = saved_errno;
+  store_errno(saved_errno);
   return now;
 }
 
@@ -368,16 +376,12 @@ Fiber* Processor::steal_work() noexcept {
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t victim = (start + i) % n;
     if (victim == index_) continue;
-    if (Fiber* f = sched_.processor(victim).stealer().steal_into(queue_)) {
-      found_work_while_searching();
-      return f;
-    }
+    if (Fiber* f = sched_.processor(victim).stealer().steal_into(queue_)) return f;
   }
   std::size_t got = 0;
   const std::size_t room = std::min<std::size_t>(queue_.remaining_slots(), RunQueue::capacity() / 2);
   if (Fiber* f = sched_.injector().pop_batch(room, &got)) {
     if (got > 1) queue_.push_back_batch(f->next, static_cast<uint32_t>(got - 1));
-    found_work_while_searching();
     return f;
   }
   return nullptr;
@@ -397,20 +401,22 @@ bool Processor::maintenance() noexcept {
 
 Fiber* Processor::find_work() noexcept {
   const uint32_t tick = ++tick_;
+  Fiber* f = nullptr;
   // Common case first: no periodic duty this tick, and the LIFO slot or the ring has a fiber.
   if ((tick & (kGlobalInterval - 1)) != 0 && (tick & (kEventInterval - 1)) != 0) {
-    if (lifo_in_a_row_ < kMaxLifoInARow) {
-      if (Fiber* f = take_lifo()) {
-        ++lifo_in_a_row_;
-        return f;
-      }
-    }
-    if (lifo_.load(std::memory_order_relaxed) == nullptr) {
+    if (lifo_in_a_row_ < kMaxLifoInARow && (f = take_lifo()) != nullptr) {
+      ++lifo_in_a_row_;
+    } else if (lifo_.load(std::memory_order_relaxed) == nullptr) {
       lifo_in_a_row_ = 0;
-      if (Fiber* f = queue_.pop()) return f;
+      f = queue_.pop();
     }
   }
-  return find_work_slow();
+  if (f == nullptr) f = find_work_slow();
+  // A searcher stops searching when it has something to run, wherever that came from (its own
+  // queue, the injector, a victim). Until then the idle state counts it as looking for work
+  // and wakes nobody else.
+  if (f != nullptr && searching_) [[unlikely]] found_work_while_searching();
+  return f;
 }
 
 Fiber* Processor::find_work_slow() noexcept {
