@@ -40,8 +40,9 @@ static_assert(QueueHead::unpack(QueueHead{7, 9}.pack()).steal == 7);
 static_assert(QueueHead::unpack(QueueHead{7, 9}.pack()).real == 9);
 static_assert(QueueHead::unpack(QueueHead{0xffffffffu, 1}.pack()).steal == 0xffffffffu);
 
-// T is an intrusive node with a `T* next` member, used to hand overflow batches to the injector
-// without allocating. Overflow is any type with `void push_batch(T* first, T* last, size_t n)`.
+// Overflow is any type with `void push_batch(T* const* items, size_t n)`: a full ring hands it
+// half of its slots (oldest first) plus the new item, as an array of pointers, so the queued
+// objects themselves are never touched.
 template <typename T, uint32_t Capacity = 256>
 class LocalQueue {
   static_assert(Capacity >= 2 && (Capacity & (Capacity - 1)) == 0, "capacity must be a power of two");
@@ -101,8 +102,7 @@ class LocalQueue {
       }
       if (h.steal != h.real) {
         // Full, and a thief is copying out: it will free room soon; don't wait for it.
-        task->next = nullptr;
-        overflow.push_batch(task, task, 1);
+        hand_over(overflow, &task, 1);
         return;
       }
       if (push_overflow(task, h.real, tail, overflow)) return;
@@ -110,12 +110,20 @@ class LocalQueue {
     }
   }
 
-  // Push a batch (linked through next) known to fit: remaining_slots() >= n.
-  // Executed only by the owner.
+  // Transitional: the linked form (items chained through T::next), kept for old callers.
   void push_back_batch(T* first, uint32_t n) noexcept {
-    uint32_t tail = inner_->tail.load(std::memory_order_relaxed);
+    const uint32_t tail = inner_->tail.load(std::memory_order_relaxed);
     for (uint32_t i = 0; i < n; ++i, first = first->next) {
       inner_->buffer[(tail + i) & kMask].store(first, std::memory_order_relaxed);
+    }
+    inner_->tail.store(tail + n, std::memory_order_release);
+  }
+
+  // Push a batch known to fit: remaining_slots() >= n. Executed only by the owner.
+  void push_back_batch(T* const* items, uint32_t n) noexcept {
+    const uint32_t tail = inner_->tail.load(std::memory_order_relaxed);
+    for (uint32_t i = 0; i < n; ++i) {
+      inner_->buffer[(tail + i) & kMask].store(items[i], std::memory_order_relaxed);
     }
     inner_->tail.store(tail + n, std::memory_order_release);  // as in push_back_or_overflow
   }
@@ -235,17 +243,23 @@ class LocalQueue {
                                               std::memory_order_relaxed)) {
       return false;
     }
-    T* first = inner_->buffer[head & kMask].load(std::memory_order_relaxed);
-    T* last = first;
-    for (uint32_t i = 1; i < n; ++i) {
-      T* t = inner_->buffer[(head + i) & kMask].load(std::memory_order_relaxed);
-      last->next = t;
-      last = t;
-    }
-    last->next = task;
-    task->next = nullptr;
-    overflow.push_batch(first, task, n + 1);
+    T* batch[n + 1];
+    for (uint32_t i = 0; i < n; ++i) batch[i] = inner_->buffer[(head + i) & kMask].load(std::memory_order_relaxed);
+    batch[n] = task;
+    hand_over(overflow, batch, n + 1);
     return true;
+  }
+
+  // Array form when the overflow takes it; else (transitional) the items linked through next.
+  template <typename Overflow>
+  static void hand_over(Overflow& overflow, T* const* items, std::size_t n) {
+    if constexpr (requires { overflow.push_batch(items, n); }) {
+      overflow.push_batch(items, n);
+    } else {
+      for (std::size_t i = 0; i + 1 < n; ++i) items[i]->next = items[i + 1];
+      items[n - 1]->next = nullptr;
+      overflow.push_batch(items[0], items[n - 1], n);
+    }
   }
 
   std::unique_ptr<Inner> inner_;

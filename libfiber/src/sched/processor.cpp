@@ -355,12 +355,7 @@ Fiber* Processor::next_local() noexcept {
   }
   if (Fiber* f = queue_.pop()) return f;
   // Refill from the injector: at most half a ring, so the rest stays for other processors.
-  std::size_t n = 0;
-  const std::size_t room = std::min<std::size_t>(queue_.remaining_slots(), RunQueue::capacity() / 2);
-  Fiber* first = sched_.injector().pop_batch(room, &n);
-  if (first == nullptr) return nullptr;
-  if (n > 1) queue_.push_back_batch(first->next, static_cast<uint32_t>(n - 1));
-  return first;
+  return refill_from_injector();
 }
 
 Fiber* Processor::steal_work() noexcept {
@@ -378,13 +373,18 @@ Fiber* Processor::steal_work() noexcept {
     if (victim == index_) continue;
     if (Fiber* f = sched_.processor(victim).stealer().steal_into(queue_)) return f;
   }
-  std::size_t got = 0;
+  return refill_from_injector();
+}
+
+// Takes up to half a ring from the injector (the rest stays for other processors): runs the
+// first, queues the others.
+Fiber* Processor::refill_from_injector() noexcept {
+  Fiber* batch[RunQueue::capacity() / 2];
   const std::size_t room = std::min<std::size_t>(queue_.remaining_slots(), RunQueue::capacity() / 2);
-  if (Fiber* f = sched_.injector().pop_batch(room, &got)) {
-    if (got > 1) queue_.push_back_batch(f->next, static_cast<uint32_t>(got - 1));
-    return f;
-  }
-  return nullptr;
+  const std::size_t n = sched_.injector().pop_batch(batch, room);
+  if (n == 0) return nullptr;
+  if (n > 1) queue_.push_back_batch(batch + 1, static_cast<uint32_t>(n - 1));
+  return batch[0];
 }
 
 void Processor::found_work_while_searching() noexcept {
@@ -410,6 +410,7 @@ Fiber* Processor::find_work() noexcept {
       lifo_in_a_row_ = 0;
       f = queue_.pop();
     }
+    if (f != nullptr) __builtin_prefetch(f);
   }
   if (f == nullptr) f = find_work_slow();
   // A searcher stops searching when it has something to run, wherever that came from (its own

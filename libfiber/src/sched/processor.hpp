@@ -89,6 +89,7 @@ class Processor {
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
   Fiber* steal_work() noexcept;
+  Fiber* refill_from_injector() noexcept;
   void found_work_while_searching() noexcept;
   bool maintenance() noexcept;  // timers, inbox; true if it made a fiber runnable
   bool drain_inbox() noexcept;
