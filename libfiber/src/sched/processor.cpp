@@ -199,6 +199,7 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
     f->task->error = std::current_exception();
     return false;
   }
+  f->task->error = nullptr;  // a failed earlier attempt (run() retries from the loop) is moot
   f->san.on_create(f->stack.lo, f->stack.size);
   f->ctx = make_context(f->stack.top(), f->stack.usable(), &Processor::fiber_main);
   return true;
