@@ -40,9 +40,16 @@ static_assert(QueueHead::unpack(QueueHead{7, 9}.pack()).steal == 7);
 static_assert(QueueHead::unpack(QueueHead{7, 9}.pack()).real == 9);
 static_assert(QueueHead::unpack(QueueHead{0xffffffffu, 1}.pack()).steal == 0xffffffffu);
 
-// Overflow is any type with `void push_batch(T* const* items, size_t n)`: a full ring hands it
-// half of its slots (oldest first) plus the new item, as an array of pointers, so the queued
-// objects themselves are never touched.
+// Overflow is any type with `void push_batch(T* const* items, size_t n) noexcept`: a full ring
+// hands it half of its slots (oldest first) plus the new item, as an array of pointers, so the
+// queued objects themselves are never touched (LocalQueue requires nothing of T). The array is
+// only valid during the call. push_batch must not throw: it runs after the head has moved past
+// the batch, so an exception would lose those items. push_back_or_overflow static_asserts it.
+template <typename Overflow, typename T>
+concept NothrowOverflow = requires(Overflow& overflow, T* const* items, std::size_t n) {
+  { overflow.push_batch(items, n) } noexcept;
+};
+
 template <typename T, uint32_t Capacity = 256>
 class LocalQueue {
   static_assert(Capacity >= 2 && (Capacity & (Capacity - 1)) == 0, "capacity must be a power of two");
@@ -90,7 +97,9 @@ class LocalQueue {
   // Push at the tail. When the ring is full, half of it plus `task` moves to `overflow` in one
   // batch. Executed only by the owner.
   template <typename Overflow>
-  void push_back_or_overflow(T* task, Overflow& overflow) {
+  void push_back_or_overflow(T* task, Overflow& overflow) noexcept {
+    static_assert(NothrowOverflow<Overflow, T>,
+                  "Overflow needs push_batch(T* const*, size_t) noexcept: it runs after the head moved");
     for (;;) {
       const QueueHead h = QueueHead::unpack(inner_->head.load(std::memory_order_acquire));
       const uint32_t tail = inner_->tail.load(std::memory_order_relaxed);  // we are its only writer
@@ -102,7 +111,7 @@ class LocalQueue {
       }
       if (h.steal != h.real) {
         // Full, and a thief is copying out: it will free room soon; don't wait for it.
-        hand_over(overflow, &task, 1);
+        overflow.push_batch(&task, 1);
         return;
       }
       if (push_overflow(task, h.real, tail, overflow)) return;
@@ -110,16 +119,8 @@ class LocalQueue {
     }
   }
 
-  // Transitional: the linked form (items chained through T::next), kept for old callers.
-  void push_back_batch(T* first, uint32_t n) noexcept {
-    const uint32_t tail = inner_->tail.load(std::memory_order_relaxed);
-    for (uint32_t i = 0; i < n; ++i, first = first->next) {
-      inner_->buffer[(tail + i) & kMask].store(first, std::memory_order_relaxed);
-    }
-    inner_->tail.store(tail + n, std::memory_order_release);
-  }
-
-  // Push a batch known to fit: remaining_slots() >= n. Executed only by the owner.
+  // Push the n items of `items` (in order) at the tail; the batch must fit: remaining_slots() >= n.
+  // Executed only by the owner.
   void push_back_batch(T* const* items, uint32_t n) noexcept {
     const uint32_t tail = inner_->tail.load(std::memory_order_relaxed);
     for (uint32_t i = 0; i < n; ++i) {
@@ -232,7 +233,7 @@ class LocalQueue {
 
  private:
   template <typename Overflow>
-  bool push_overflow(T* task, uint32_t head, [[maybe_unused]] uint32_t tail, Overflow& overflow) {
+  bool push_overflow(T* task, uint32_t head, [[maybe_unused]] uint32_t tail, Overflow& overflow) noexcept {
     constexpr uint32_t n = Capacity / 2;
     assert(tail - head == Capacity && "push_overflow: queue is not full");
     const uint64_t prev = QueueHead{head, head}.pack();
@@ -246,20 +247,8 @@ class LocalQueue {
     T* batch[n + 1];
     for (uint32_t i = 0; i < n; ++i) batch[i] = inner_->buffer[(head + i) & kMask].load(std::memory_order_relaxed);
     batch[n] = task;
-    hand_over(overflow, batch, n + 1);
+    overflow.push_batch(batch, n + 1);  // noexcept (checked in push_back_or_overflow)
     return true;
-  }
-
-  // Array form when the overflow takes it; else (transitional) the items linked through next.
-  template <typename Overflow>
-  static void hand_over(Overflow& overflow, T* const* items, std::size_t n) {
-    if constexpr (requires { overflow.push_batch(items, n); }) {
-      overflow.push_batch(items, n);
-    } else {
-      for (std::size_t i = 0; i + 1 < n; ++i) items[i]->next = items[i + 1];
-      items[n - 1]->next = nullptr;
-      overflow.push_batch(items[0], items[n - 1], n);
-    }
   }
 
   std::unique_ptr<Inner> inner_;
