@@ -121,25 +121,34 @@ class JoinHandle {
   detail::ResultSlot<T>* slot_ = nullptr;
 };
 
+namespace detail {
+// Creates and submits a fiber running `call`; returns it and its result slot.
+template <typename Call>
+auto submit_call(const SpawnRequest& req, Call&& call, bool joinable) {
+  using T = std::invoke_result_t<Call&>;
+  using Task = TaskImpl<Call, T>;
+  void* mem = nullptr;
+  Fiber* fib = fiber_create(req, sizeof(Task), alignof(Task), &mem);
+  Task* task;
+  try {
+    task = new (mem) Task(std::move(call));
+  } catch (...) {
+    fiber_abandon(fib);
+    throw;
+  }
+  fiber_submit(fib, task, joinable);
+  return std::pair<Fiber*, ResultSlot<T>*>(fib, task);
+}
+}  // namespace detail
+
 // Spawns `f(args...)` per `req` (lower level than spawn; used by block_on and wait_all).
 template <typename F, typename... Args>
 auto spawn_in(const detail::SpawnRequest& req, F&& f, Args&&... args) {
   detail::check_callable(f);
   auto call = detail::bind_call(std::forward<F>(f), std::forward<Args>(args)...);
-  using Call = decltype(call);
-  using T = std::invoke_result_t<Call&>;
-  using Task = detail::TaskImpl<Call, T>;
-  void* mem = nullptr;
-  detail::Fiber* fib = detail::fiber_create(req, sizeof(Task), alignof(Task), &mem);
-  Task* task;
-  try {
-    task = new (mem) Task(std::move(call));
-  } catch (...) {
-    detail::fiber_abandon(fib);
-    throw;
-  }
-  detail::fiber_submit(fib, task, true);
-  return JoinHandle<T>(fib, task);
+  using T = std::invoke_result_t<decltype(call)&>;
+  auto [fib, slot] = detail::submit_call(req, std::move(call), true);
+  return JoinHandle<T>(fib, slot);
 }
 
 // Spawns a fiber running f(args...) and returns its JoinHandle.
@@ -171,7 +180,8 @@ struct Go {
   template <typename F>
     requires std::invocable<std::decay_t<F>&>
   void operator-(F&& f) const {
-    spawn(options, std::forward<F>(f)).detach();
+    check_callable(f);
+    submit_call(SpawnRequest{options}, bind_call(std::forward<F>(f)), false);  // born detached
   }
 };
 struct GoOption {

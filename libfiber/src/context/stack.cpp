@@ -170,9 +170,14 @@ StackCache::~StackCache() {
 }
 
 StackCache::Bin& StackCache::bin(std::size_t size_class) {
-  for (Bin& b : bins_) {
-    if (b.size_class == size_class) return b;
+  if (last_ < bins_.size() && bins_[last_].size_class == size_class) return bins_[last_];
+  for (std::size_t i = 0; i < bins_.size(); ++i) {
+    if (bins_[i].size_class == size_class) {
+      last_ = i;
+      return bins_[i];
+    }
   }
+  last_ = bins_.size();
   bins_.push_back(Bin{size_class, {}});
   bins_.back().stacks.reserve(kMaxCached);
   return bins_.back();

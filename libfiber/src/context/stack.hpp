@@ -122,6 +122,7 @@ class StackCache {
   };
   Bin& bin(std::size_t size_class);
   std::vector<Bin> bins_;  // few size classes in practice; linear search
+  std::size_t last_ = 0;   // index of the bin used last (nearly always the default size)
 };
 
 }  // namespace fiber::detail

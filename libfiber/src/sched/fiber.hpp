@@ -60,6 +60,7 @@ struct Fiber {
   std::atomic<FiberState> state{FiberState::Created};
   ParkReason park_reason = ParkReason::None;
   bool is_loop = false;  // a processor's own thread stack, not a real fiber
+  bool pooled_block = false;  // its memory is a pooled control-block slot (runtime.cpp)
   uint32_t stack_size = 0;  // size class to allocate when first run
   Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
+#include <vector>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -67,11 +69,106 @@ std::size_t task_offset(std::size_t task_align) noexcept {
   return align_up(sizeof(Fiber), std::max(task_align, alignof(Fiber)));
 }
 
+// Control blocks (Fiber + task) of up to kBlockSize bytes are slots carved from 96 KiB slabs.
+// Freed slots go to a per-thread free list, which spills half of itself to a global list (one
+// lock per kSpill slots) when it grows past kMaxCached, and refills from it in batches. So a
+// fiber costs two list operations, whether fibers churn (spawn, run, finish) or a million are
+// alive at once; slabs are kept for reuse, never given back (like stacks, see context/stack.hpp).
+// Larger control blocks (big captures) use malloc.
+constexpr std::size_t kBlockSize = 384;
+constexpr std::size_t kSlabBytes = 96 * 1024;
+constexpr std::size_t kMaxCached = 4096;
+constexpr std::size_t kSpill = kMaxCached / 2;
+
+struct FreeSlot {
+  FreeSlot* next;
+};
+
+struct GlobalSlots {
+  std::mutex mu;
+  std::vector<FreeSlot*> batches;  // GUARDED_BY(mu): each a list of kSpill slots
+};
+GlobalSlots& global_slots() {
+  static GlobalSlots* g = new GlobalSlots();  // never destroyed: threads may free at exit
+  return *g;
+}
+
+struct SlotCache {
+  FreeSlot* head = nullptr;
+  std::size_t count = 0;
+  char* bump = nullptr;  // the unused rest of this thread's current slab
+  char* bump_end = nullptr;
+
+  ~SlotCache() {  // thread exit: hand the cached slots to the global list
+    while (count >= kSpill) spill();
+    if (head) {
+      std::lock_guard lock(global_slots().mu);
+      global_slots().batches.push_back(head);  // a short batch is fine
+    }
+  }
+  void spill() noexcept {
+    FreeSlot* first = head;
+    FreeSlot* last = head;
+    for (std::size_t i = 1; i < kSpill; ++i) last = last->next;
+    head = last->next;
+    last->next = nullptr;
+    count -= kSpill;
+    std::lock_guard lock(global_slots().mu);
+    global_slots().batches.push_back(first);
+  }
+  bool refill() noexcept {
+    std::lock_guard lock(global_slots().mu);
+    if (global_slots().batches.empty()) return false;
+    head = global_slots().batches.back();
+    global_slots().batches.pop_back();
+    count = 0;
+    for (FreeSlot* n = head; n; n = n->next) ++count;
+    return true;
+  }
+};
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache t_slots;
+
+void* allocate_block(std::size_t size) {
+  if (size > kBlockSize) {
+    void* p = std::malloc(size);
+    if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
+    return p;
+  }
+  SlotCache& c = t_slots;
+  if (c.head == nullptr && c.bump == c.bump_end && !c.refill()) {
+    c.bump = static_cast<char*>(std::malloc(kSlabBytes));
+    if (!c.bump) throw ResourceError("fiber::spawn: out of memory for fiber control blocks");
+    c.bump_end = c.bump + kSlabBytes;
+  }
+  if (c.head) {
+    FreeSlot* n = c.head;
+    c.head = n->next;
+    --c.count;
+    return n;
+  }
+  void* p = c.bump;
+  c.bump += kBlockSize;
+  return p;
+}
+
+void free_block(void* p, bool pooled) noexcept {
+  if (!pooled) {
+    std::free(p);
+    return;
+  }
+  SlotCache& c = t_slots;
+  auto* n = static_cast<FreeSlot*>(p);
+  n->next = c.head;
+  c.head = n;
+  if (++c.count > kMaxCached) c.spill();
+}
+
 void destroy_fiber(Fiber* f) noexcept {
   if (f->task) f->task->~TaskBase();
   delete[] f->name;
+  const bool pooled = f->pooled_block;
   f->~Fiber();
-  ::operator delete(static_cast<void*>(f), std::align_val_t{alignof(std::max_align_t)});
+  free_block(f, pooled);
 }
 
 SchedulerImpl& target_scheduler(const SpawnOptions& o, const Fiber* cur) {
@@ -96,13 +193,9 @@ Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t 
     throw UsageError("fiber::spawn: the callable's alignment exceeds alignof(std::max_align_t)");
   }
   const std::size_t off = task_offset(task_align);
-  void* mem;
-  try {
-    mem = ::operator new(off + task_size, std::align_val_t{alignof(std::max_align_t)});
-  } catch (const std::bad_alloc&) {
-    throw ResourceError("fiber::spawn: out of memory for a fiber control block");
-  }
+  void* mem = allocate_block(off + task_size);  // malloc'd: aligned for max_align_t
   Fiber* f = new (mem) Fiber();
+  f->pooled_block = off + task_size <= kBlockSize;
   f->sched = &s;
   f->stack_size = static_cast<uint32_t>(size_class);
   Processor* p = current_processor();
@@ -124,12 +217,16 @@ void fiber_abandon(Fiber* f) noexcept {
 
 void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
   f->task = task;
-  if (joinable) f->refs.store(2, std::memory_order_relaxed);
+  if (joinable) {
+    f->refs.store(2, std::memory_order_relaxed);
+  } else {
+    f->join_word.store(Fiber::kJoinDetached, std::memory_order_relaxed);  // `go`: born detached
+  }
   if (f->group) f->group->add();
   Processor* p = current_processor();
   const bool local = p != nullptr && &p->sched() == f->sched;
   f->sched->registry().add(f, local ? p->index() : f->sched->external_shard());
-  f->transition(FiberState::Created, FiberState::Runnable);
+  f->set_state(FiberState::Created, FiberState::Runnable);  // not yet visible to anyone
   if (local) {
     p->schedule_local(f);
   } else {
