@@ -5,7 +5,8 @@
 //
 // Usage: fiber-bench WORKLOAD [N]. Each run is a fresh process; times are taken inside the
 // process around the workload only, with the steady clock. "_1t" workloads and yield use one
-// processor, the others one per core (nproc).
+// processor, the others one per core (nproc). Beyond the peers' suite: idle_1m_compact (idle_1m
+// with compact stacks) and mutex (a contended fiber::Mutex).
 #include <fiber/fiber.hpp>
 
 #include <unistd.h>
@@ -15,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <map>
 #include <string>
 #include <thread>
@@ -72,6 +75,132 @@ void spawn(const char* name, std::size_t procs, long n) {
   std::printf("workload=%s impl=libfiber value=%.1f unit=ns/fiber extra=fibers=%ld\n", name, ns, n);
 }
 
+// skynet: a fiber per node of a 10-ary tree with 1,000,000 leaves; leaves send their number
+// on the parent's unbuffered channel, inner nodes sum their 10 children's and send the sum.
+void skynet_node(fiber::Channel<long>& parent, long num, long size) {
+  if (size == 1) {
+    parent.send(num);
+    return;
+  }
+  fiber::Channel<long> rc;
+  for (long i = 0; i < 10; ++i) {
+    const long sub = num + i * (size / 10);
+    go [&rc, sub, size] { skynet_node(rc, sub, size / 10); };
+  }
+  long sum = 0;
+  for (int i = 0; i < 10; ++i) sum += *rc.recv();
+  parent.send(sum);
+}
+
+void skynet(const char* name, std::size_t procs, long n) {
+  fiber::Scheduler s({.processors = procs, .name = "bench"});
+  long sum = 0;
+  double ms = 0;
+  fiber::block_on({.scheduler = &s}, [&] {
+    fiber::Channel<long> c;
+    const auto t0 = Clock::now();
+    go [&c, n] { skynet_node(c, 0, n); };
+    sum = *c.recv();
+    ms = ns_since(t0) / 1e6;
+  });
+  if (sum != n * (n - 1) / 2) fail("skynet: wrong sum");
+  std::printf("workload=%s impl=libfiber value=%.1f unit=ms extra=sum=%ld\n", name, ms, sum);
+}
+
+// pingpong: A sends i on ping, B answers i+1 on pong; n round trips over unbuffered channels.
+void pingpong(const char* name, std::size_t procs, long n) {
+  fiber::Scheduler s({.processors = procs, .name = "bench"});
+  long acc = 0;
+  double ns = 0;
+  fiber::block_on({.scheduler = &s}, [&] {
+    fiber::Channel<long> ping, pong, done;
+    const auto t0 = Clock::now();
+    go [&] {
+      while (std::optional<long> v = ping.recv()) pong.send(*v + 1);
+    };
+    go [&] {
+      long a = 0;
+      for (long i = 0; i < n; ++i) {
+        ping.send(i);
+        a += *pong.recv() - i;
+      }
+      ping.close();
+      done.send(a);
+    };
+    acc = *done.recv();
+    ns = ns_since(t0) / static_cast<double>(n);
+  });
+  if (acc != n) fail("pingpong: wrong checksum");
+  std::printf("workload=%s impl=libfiber value=%.1f unit=ns/roundtrip extra=roundtrips=%ld\n", name, ns, n);
+}
+
+long vm_rss_kib() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) fail("cannot open /proc/self/status");
+  char line[256];
+  long kib = -1;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::strncmp(line, "VmRSS:", 6) == 0) kib = std::strtol(line + 6, nullptr, 10);
+  }
+  std::fclose(f);
+  if (kib < 0) fail("no VmRSS");
+  return kib;
+}
+
+// idle: n fibers parked on one unbuffered channel; resident memory per parked fiber.
+// stack_size 0: the default stacks; otherwise e.g. fiber::compact_stack_size.
+void idle(const char* name, long n, std::size_t stack_size) {
+  fiber::Scheduler s({.processors = all_threads(), .name = "bench"});
+  const long base = vm_rss_kib();
+  fiber::Channel<int> gate;
+  fiber::WaitGroup started, finished;
+  started.add(n);
+  finished.add(n);
+  for (long i = 0; i < n; ++i) {
+    fiber::spawn({.stack_size = stack_size, .scheduler = &s}, [&] {
+      started.done();
+      gate.recv();
+      finished.done();
+    }).detach();
+  }
+  started.wait();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let the last ones park
+  const long parked = vm_rss_kib();
+  gate.close();
+  finished.wait();
+  std::printf("workload=%s impl=libfiber value=%.3f unit=KiB/fiber extra=fibers=%ld,base_kib=%ld,parked_kib=%ld,stack=%zu\n",
+              name, static_cast<double>(parked - base) / static_cast<double>(n), n, base, parked,
+              stack_size ? stack_size : std::size_t{64 * 1024});
+}
+
+// mutex (ours only): 4 fibers per processor take one fiber::Mutex n times in all.
+void mutex_contended(long n) {
+  const std::size_t procs = all_threads();
+  fiber::Scheduler s({.processors = procs, .name = "bench"});
+  fiber::Mutex mu;
+  long counter = 0;
+  double ns = 0;
+  const long workers = static_cast<long>(4 * procs);
+  fiber::block_on({.scheduler = &s}, [&] {
+    const auto t0 = Clock::now();
+    fiber::WaitGroup wg;
+    wg.add(workers);
+    for (long w = 0; w < workers; ++w) {
+      go [&, w] {
+        for (long i = w; i < n; i += workers) {
+          std::lock_guard lock(mu);
+          ++counter;
+        }
+        wg.done();
+      };
+    }
+    wg.wait();
+    ns = ns_since(t0) / static_cast<double>(n);
+  });
+  if (counter != n) fail("mutex: lost increments");
+  std::printf("workload=mutex impl=libfiber value=%.1f unit=ns/lock extra=locks=%ld,fibers=%ld\n", ns, n, workers);
+}
+
 struct Workload {
   long default_n;
   std::function<void(long)> run;
@@ -82,6 +211,14 @@ std::map<std::string, Workload> workloads() {
       {"yield", {10'000'000, [](long n) { yield(n); }}},
       {"spawn", {1'000'000, [](long n) { spawn("spawn", all_threads(), n); }}},
       {"spawn_1t", {1'000'000, [](long n) { spawn("spawn_1t", 1, n); }}},
+      {"skynet", {1'000'000, [](long n) { skynet("skynet", all_threads(), n); }}},
+      {"skynet_1t", {1'000'000, [](long n) { skynet("skynet_1t", 1, n); }}},
+      {"pingpong", {1'000'000, [](long n) { pingpong("pingpong", all_threads(), n); }}},
+      {"pingpong_1t", {1'000'000, [](long n) { pingpong("pingpong_1t", 1, n); }}},
+      {"idle", {100'000, [](long n) { idle("idle", n, 0); }}},
+      {"idle_1m", {1'000'000, [](long n) { idle("idle_1m", n, 0); }}},
+      {"idle_1m_compact", {1'000'000, [](long n) { idle("idle_1m_compact", n, fiber::compact_stack_size); }}},
+      {"mutex", {2'000'000, [](long n) { mutex_contended(n); }}},
   };
 }
 

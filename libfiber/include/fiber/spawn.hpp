@@ -88,7 +88,8 @@ class JoinHandle {
       detail::Fiber* f;
       ~Release() { detail::fiber_release(f); }
     } release{f};
-    if (slot_->error) std::rethrow_exception(slot_->error);
+    // Move the exception out: the control block (and its copy) may be freed on another thread.
+    if (slot_->error) std::rethrow_exception(std::exchange(slot_->error, nullptr));
     if constexpr (!std::is_void_v<T>) return std::move(*slot_->value);
   }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 
@@ -32,10 +33,22 @@ class FIBER_API WaitGroup {
   void done() { add(-1); }
   // Returns when the counter is zero. Throws Cancelled if the waiting fiber is cancelled.
   void wait();
+  // Waits at most d / until tp for the counter to reach zero; false on timeout (d <= 0: only
+  // checks). Throws Cancelled.
+  template <typename Rep, typename Period>
+  bool wait_for(std::chrono::duration<Rep, Period> d) {
+    return wait_until_(detail::deadline_after(d));
+  }
+  template <typename Clock, typename Duration>
+  bool wait_until(const std::chrono::time_point<Clock, Duration>& tp) {
+    return wait_until_(detail::to_deadline(tp));
+  }
   // The current counter (a snapshot).
   std::int64_t count() const noexcept { return count_.load(std::memory_order_acquire); }
 
  private:
+  bool wait_until_(detail::Deadline d);
+
   std::atomic<std::int64_t> count_{0};  // the reaching-zero decrement is acq_rel
   detail::SpinLock mu_;
   detail::WaitQueue waiters_;           // GUARDED_BY(mu_)

@@ -1,0 +1,199 @@
+// Channel: the type-erased core of fiber::Channel<T> (see fiber/channel.hpp for the rules).
+//
+// State: a ring buffer of `cap_` slots, a closed flag, and two queues of ChanNodes (blocked
+// receivers, blocked senders), all under one SpinLock. Every operation is "try under the lock,
+// else enqueue a node and park":
+//
+//   send: closed -> error; a receiver waits -> pop it, claim it, then (unlocked) move the value
+//         straight into its result and wake it; room in the buffer -> push; else wait.
+//   recv: a value is buffered -> take it, and refill the freed slot from the first waiting
+//         sender (so FIFO order holds); unbuffered and a sender waits -> take its value directly;
+//         closed -> nothing; else wait.
+//   close: mark closed, claim every waiter under the lock, wake them after it.
+//
+// Popped nodes whose claim fails belong to waits that already ended (timed out, cancelled, or a
+// select that another channel completed); they are dropped, never touched again. Their owners
+// find them unlinked when they withdraw. See wait.hpp for the claim/wake contract.
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+
+#include "fiber/channel.hpp"
+
+namespace fiber::detail {
+
+namespace {
+unsigned char* allocate_buffer(const ElemOps* ops, std::size_t cap) {
+  if (cap == 0) return nullptr;
+  if (cap > static_cast<std::size_t>(-1) / ops->size) throw std::bad_alloc();
+  return static_cast<unsigned char*>(::operator new(cap * ops->size, std::align_val_t(ops->align)));
+}
+}  // namespace
+
+ChanBase::ChanBase(const ElemOps* ops, std::size_t capacity)
+    : ops_(ops), cap_(capacity), buf_(allocate_buffer(ops, capacity)) {}
+
+ChanBase::~ChanBase() {
+  if (!recvq_.empty() || !sendq_.empty()) {
+    std::fprintf(stderr, "libfiber: fiber::Channel destroyed while an operation was waiting on it\n");
+    std::abort();
+  }
+  for (std::size_t i = 0; i < count_; ++i) ops_->destroy(slot((head_ + i) % cap_));
+  if (buf_) ::operator delete(buf_, std::align_val_t(ops_->align));
+}
+
+void ChanBase::throw_closed(const char* what) { throw ChannelClosed(what); }
+
+bool ChanBase::closed() const noexcept {
+  std::lock_guard lock(mu_);
+  return closed_;
+}
+
+std::size_t ChanBase::size() const noexcept {
+  std::lock_guard lock(mu_);
+  return count_;
+}
+
+ChanBase::Try ChanBase::try_send_locked(void* src, Handoff& h) noexcept {
+  if (closed_) return Try::closed;
+  while (ChanNode* r = recvq_.pop_front()) {
+    if (waiter_claim(*r->waiter, WakeReason::Notified)) {
+      h = Handoff{r, r->slot, src, r->index};
+      return Try::done;
+    }
+  }
+  if (count_ < cap_) {
+    std::size_t tail = head_ + count_;
+    if (tail >= cap_) tail -= cap_;
+    ops_->construct(slot(tail), src);
+    ++count_;
+    return Try::done;
+  }
+  return Try::not_ready;
+}
+
+ChanBase::Try ChanBase::try_recv_locked(void* dst, Handoff& h) noexcept {
+  if (count_ > 0) {
+    void* p = slot(head_);
+    ops_->put(dst, p);
+    ops_->destroy(p);
+    if (++head_ == cap_) head_ = 0;
+    --count_;
+    // Refill the slot from the first waiting sender: it was full, so senders may wait.
+    while (ChanNode* s = sendq_.pop_front()) {
+      if (waiter_claim(*s->waiter, WakeReason::Notified)) {
+        std::size_t tail = head_ + count_;
+        if (tail >= cap_) tail -= cap_;
+        ops_->construct(slot(tail), s->slot);
+        ++count_;
+        h = Handoff{s, nullptr, nullptr, s->index};
+        return Try::done;
+      }
+    }
+    return Try::done;
+  }
+  while (ChanNode* s = sendq_.pop_front()) {
+    if (waiter_claim(*s->waiter, WakeReason::Notified)) {
+      h = Handoff{s, dst, s->slot, s->index};
+      return Try::done;
+    }
+  }
+  return closed_ ? Try::closed : Try::not_ready;
+}
+
+void ChanBase::finish(const Handoff& h) const noexcept {
+  if (h.peer == nullptr) return;
+  Waiter* w = h.peer->waiter;
+  if (h.dst) ops_->put(h.dst, h.src);
+  w->tag = h.tag;
+  waiter_wake(*w);  // `h.peer` and `*w` may be gone from here on
+}
+
+ChanStatus ChanBase::send(void* src, Wait wait, Deadline deadline) {
+  Handoff h;
+  mu_.lock();
+  const Try t = try_send_locked(src, h);
+  if (t != Try::not_ready) [[likely]] {
+    mu_.unlock();
+    if (t == Try::closed) throw_closed("fiber::Channel::send: send on a closed channel");
+    finish(h);
+    return ChanStatus::ok;
+  }
+  if (wait == Wait::never || (wait == Wait::until && deadline <= std::chrono::steady_clock::now())) {
+    mu_.unlock();
+    return wait == Wait::never ? ChanStatus::empty : ChanStatus::timeout;
+  }
+  Waiter w;
+  ChanNode node{&w, nullptr, nullptr, src, 0};
+  waiter_prepare(w);
+  sendq_.push_back(&node);
+  mu_.unlock();
+  const WakeReason r = wait == Wait::until ? waiter_wait_until(w, ParkReason::Channel, deadline)
+                                           : waiter_wait(w, ParkReason::Channel);
+  if (r == WakeReason::Notified) [[likely]] {
+    // A receiver took the value, or close() woke us.
+    if (w.tag & kChanClosedTag) throw_closed("fiber::Channel::send: the channel was closed while the sender waited");
+    return ChanStatus::ok;
+  }
+  {
+    std::lock_guard lock(mu_);
+    sendq_.remove_if_queued(&node);
+  }
+  if (r == WakeReason::Cancelled) throw Cancelled();
+  return ChanStatus::timeout;
+}
+
+ChanStatus ChanBase::recv(void* dst, Wait wait, Deadline deadline) {
+  Handoff h;
+  mu_.lock();
+  const Try t = try_recv_locked(dst, h);
+  if (t != Try::not_ready) [[likely]] {
+    mu_.unlock();
+    if (t == Try::closed) return ChanStatus::closed;
+    finish(h);
+    return ChanStatus::ok;
+  }
+  if (wait == Wait::never || (wait == Wait::until && deadline <= std::chrono::steady_clock::now())) {
+    mu_.unlock();
+    return wait == Wait::never ? ChanStatus::empty : ChanStatus::timeout;
+  }
+  Waiter w;
+  ChanNode node{&w, nullptr, nullptr, dst, 0};
+  waiter_prepare(w);
+  recvq_.push_back(&node);
+  mu_.unlock();
+  const WakeReason r = wait == Wait::until ? waiter_wait_until(w, ParkReason::Channel, deadline)
+                                           : waiter_wait(w, ParkReason::Channel);
+  if (r == WakeReason::Notified) [[likely]] {
+    return (w.tag & kChanClosedTag) ? ChanStatus::closed : ChanStatus::ok;
+  }
+  {
+    std::lock_guard lock(mu_);
+    recvq_.remove_if_queued(&node);
+  }
+  if (r == WakeReason::Cancelled) throw Cancelled();
+  return ChanStatus::timeout;
+}
+
+void ChanBase::close() {
+  ChanQueue woken;  // claimed under the lock, woken after it
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) throw_closed("fiber::Channel::close: the channel is already closed");
+    closed_ = true;
+    // Receivers wait only while the buffer is empty, so all of them learn "closed" now; senders
+    // fail (Go: a blocked sender panics when its channel is closed).
+    for (ChanQueue* q : {&recvq_, &sendq_}) {
+      while (ChanNode* n = q->pop_front()) {
+        if (waiter_claim(*n->waiter, WakeReason::Notified)) {
+          n->waiter->tag = n->index | kChanClosedTag;
+          woken.push_back(n);
+        }
+      }
+    }
+  }
+  while (ChanNode* n = woken.pop_front()) waiter_wake(*n->waiter);
+}
+
+}  // namespace fiber::detail

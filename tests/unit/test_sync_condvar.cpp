@@ -1,0 +1,286 @@
+// fiber::CondVar (fiber/condvar.hpp): predicate waits with fiber::Mutex through
+// std::unique_lock, notify_one wakes one, notify_all wakes all, timeouts never early, a
+// producer/consumer queue with fibers and threads on both sides, other lock types, misuse, and
+// cancellation (the lock is re-taken before Cancelled propagates).
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+enum class Where { fiber, thread };
+
+class Team {
+ public:
+  Team() = default;
+  Team(const Team&) = delete;
+  Team& operator=(const Team&) = delete;
+  ~Team() {
+    try {
+      join();
+    } catch (...) {
+    }
+  }
+  template <typename F>
+  void spawn(Where w, fiber::Scheduler& s, F f) {
+    if (w == Where::fiber) {
+      fibers_.push_back(fiber::spawn({.scheduler = &s}, std::move(f)));
+    } else {
+      threads_.emplace_back([this, f = std::move(f)]() mutable {
+        try {
+          f();
+        } catch (...) {
+          std::lock_guard lock(mu_);
+          if (!error_) error_ = std::current_exception();
+        }
+      });
+    }
+  }
+  void join() {
+    for (auto& h : fibers_) {
+      try {
+        h.join();
+      } catch (...) {
+        std::lock_guard lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+    for (auto& t : threads_) t.join();
+    fibers_.clear();
+    threads_.clear();
+    std::exception_ptr e;
+    {
+      std::lock_guard lock(mu_);
+      e = std::exchange(error_, nullptr);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  std::vector<fiber::JoinHandle<void>> fibers_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::exception_ptr error_;
+};
+
+// Spawns body on s; join() returns true iff body ended by throwing fiber::Cancelled. The fiber
+// catches it itself, so the exception object never crosses threads through an exception_ptr
+// (which TSan cannot follow: libstdc++'s refcount is not instrumented).
+template <typename F>
+fiber::JoinHandle<bool> spawn_cancellable(fiber::Scheduler& s, F body) {
+  return fiber::spawn({.scheduler = &s}, [body = std::move(body)]() mutable {
+    try {
+      body();
+    } catch (const fiber::Cancelled&) {
+      return true;
+    }
+    return false;
+  });
+}
+
+}  // namespace
+
+TEST_CASE("condvar: producer/consumer queue, fibers and threads on both sides") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Mutex mu;
+    fiber::CondVar not_empty, not_full;
+    std::deque<int> q;  // bounded at 4
+    bool done = false;
+    const int producers = 3, per = kTsan ? 500 : (kSanitized ? 2000 : 10000);
+    std::vector<std::atomic<int>> seen(producers * per);
+    fiber::WaitGroup wg;
+    wg.add(producers);
+    Team team;
+    for (int p = 0; p < producers; ++p) {
+      team.spawn(p == 0 ? Where::thread : Where::fiber, s, [&, p] {
+        for (int i = 0; i < per; ++i) {
+          std::unique_lock lk(mu);
+          if (i % 2) {
+            not_full.wait(lk, [&] { return q.size() < 4; });
+          } else {
+            while (!not_full.wait_for(lk, 100us, [&] { return q.size() < 4; })) {
+            }
+          }
+          q.push_back(p * per + i);
+          lk.unlock();
+          not_empty.notify_one();
+        }
+        wg.done();
+      });
+    }
+    team.spawn(Where::fiber, s, [&] {
+      wg.wait();
+      {
+        std::lock_guard g(mu);
+        done = true;
+      }
+      not_empty.notify_all();
+    });
+    std::atomic<long> consumed{0};
+    for (int c = 0; c < 3; ++c) {
+      team.spawn(c == 0 ? Where::thread : Where::fiber, s, [&] {
+        for (;;) {
+          std::unique_lock lk(mu);
+          not_empty.wait(lk, [&] { return !q.empty() || done; });
+          if (q.empty()) return;
+          const int v = q.front();
+          q.pop_front();
+          lk.unlock();
+          not_full.notify_one();
+          seen[v].fetch_add(1);
+          consumed.fetch_add(1);
+        }
+      });
+    }
+    team.join();
+    CHECK(consumed.load() == producers * per);
+    int bad = 0;
+    for (auto& x : seen) bad += x.load() != 1;
+    CHECK(bad == 0);
+  });
+}
+
+TEST_CASE("condvar: notify_one wakes one waiter, notify_all wakes every waiter") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Mutex mu;
+    fiber::CondVar cv;
+    int tickets = 0;
+    int waiting = 0;
+    std::atomic<int> woken{0};
+    const int n = 12;
+    Team team;
+    for (int i = 0; i < n; ++i) {
+      team.spawn(i % 3 == 0 ? Where::thread : Where::fiber, s, [&] {
+        std::unique_lock lk(mu);
+        ++waiting;
+        cv.wait(lk, [&] { return tickets > 0; });
+        --tickets;
+        woken.fetch_add(1);
+      });
+    }
+    CHECK(wait_for([&] {
+      std::lock_guard g(mu);
+      return waiting == n;
+    }));
+    {
+      std::lock_guard g(mu);
+      tickets = 1;
+    }
+    cv.notify_one();
+    CHECK(wait_for([&] { return woken.load() == 1; }));
+    std::this_thread::sleep_for(2ms);
+    CHECK(woken.load() == 1);  // the others stay asleep (no spurious wakeups)
+    {
+      std::lock_guard g(mu);
+      tickets = n - 1;
+    }
+    cv.notify_all();
+    team.join();
+    CHECK(woken.load() == n);
+    cv.notify_one();  // no waiter: a no-op
+    cv.notify_all();
+  });
+}
+
+TEST_CASE("condvar: timeouts are never early; negative timeouts return at once") {
+  for (Where w : {Where::fiber, Where::thread}) {
+    fiber::Scheduler s({.processors = 2, .name = "cvt"});
+    Team team;
+    team.spawn(w, s, [] {
+      fiber::Mutex mu;
+      fiber::CondVar cv;
+      std::unique_lock lk(mu);
+      auto t0 = Clock::now();
+      CHECK(cv.wait_for(lk, 20ms) == std::cv_status::timeout);
+      CHECK(Clock::now() - t0 >= 20ms);
+      CHECK(lk.owns_lock());
+      t0 = Clock::now();
+      CHECK_FALSE(cv.wait_until(lk, t0 + 10ms, [] { return false; }));
+      CHECK(Clock::now() >= t0 + 10ms);
+      CHECK(cv.wait_for(lk, -1s) == std::cv_status::timeout);
+      CHECK(cv.wait_for(lk, -1s, [] { return true; }));
+      CHECK_FALSE(cv.wait_for(lk, 0s, [] { return false; }));
+      CHECK(lk.owns_lock());
+      CHECK(mu.is_locked());
+    });
+    team.join();
+  }
+}
+
+TEST_CASE("condvar: works with other locks; misuse is a UsageError") {
+  fiber::CondVar cv;
+  // std::mutex and fiber::RWMutex (write side) from threads and fibers.
+  std::mutex smu;
+  fiber::RWMutex rw;
+  bool flag = false, flag2 = false;
+  fiber::Scheduler s({.processors = 2, .name = "cvo"});
+  Team team;
+  team.spawn(Where::fiber, s, [&] {
+    std::unique_lock lk(rw);
+    cv.wait(lk, [&] { return flag2; });
+  });
+  team.spawn(Where::thread, s, [&] {
+    std::unique_lock lk(smu);
+    cv.wait(lk, [&] { return flag; });
+  });
+  std::this_thread::sleep_for(1ms);
+  {
+    std::lock_guard g(smu);
+    flag = true;
+  }
+  {
+    std::lock_guard g(rw);
+    flag2 = true;
+  }
+  cv.notify_all();
+  team.join();
+
+  fiber::Mutex mu;
+  std::unique_lock<fiber::Mutex> not_held(mu, std::defer_lock);
+  try {
+    cv.wait(not_held);
+    FAIL_CHECK("no exception");
+  } catch (const fiber::UsageError& e) {
+    CHECK(contains(e.what(), "not held"));
+  }
+  CHECK_FALSE(mu.is_locked());
+}
+
+TEST_CASE("condvar: a cancelled waiter re-takes the lock, then throws Cancelled") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Mutex mu;
+    fiber::CondVar cv;
+    std::atomic<bool> waiting{false};
+    std::atomic<bool> held_after{false};
+    auto h = spawn_cancellable(s, [&] {
+      std::unique_lock lk(mu);
+      waiting = true;
+      try {
+        cv.wait(lk);
+      } catch (const fiber::Cancelled&) {
+        held_after = lk.owns_lock() && mu.is_locked();
+        throw;
+      }
+    });
+    CHECK(wait_for([&] { return waiting.load(); }));
+    std::this_thread::sleep_for(1ms);
+    h.cancel();
+    CHECK(h.join());  // threw Cancelled
+    CHECK(held_after.load());
+    CHECK_FALSE(mu.is_locked());  // released by the unique_lock during unwinding
+    cv.notify_one();              // the queue is empty again
+  });
+}

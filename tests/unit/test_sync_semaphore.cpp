@@ -1,0 +1,298 @@
+// fiber::Semaphore, fiber::Latch and fiber::Barrier: counting, FIFO handover, bounds and misuse,
+// timed waits never early, cancellation, and fibers and threads together on 1-8 processors.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+enum class Where { fiber, thread };
+
+class Team {
+ public:
+  Team() = default;
+  Team(const Team&) = delete;
+  Team& operator=(const Team&) = delete;
+  ~Team() {
+    try {
+      join();
+    } catch (...) {
+    }
+  }
+  template <typename F>
+  void spawn(Where w, fiber::Scheduler& s, F f) {
+    if (w == Where::fiber) {
+      fibers_.push_back(fiber::spawn({.scheduler = &s}, std::move(f)));
+    } else {
+      threads_.emplace_back([this, f = std::move(f)]() mutable {
+        try {
+          f();
+        } catch (...) {
+          std::lock_guard lock(mu_);
+          if (!error_) error_ = std::current_exception();
+        }
+      });
+    }
+  }
+  void join() {
+    for (auto& h : fibers_) {
+      try {
+        h.join();
+      } catch (...) {
+        std::lock_guard lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+    for (auto& t : threads_) t.join();
+    fibers_.clear();
+    threads_.clear();
+    std::exception_ptr e;
+    {
+      std::lock_guard lock(mu_);
+      e = std::exchange(error_, nullptr);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  std::vector<fiber::JoinHandle<void>> fibers_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::exception_ptr error_;
+};
+
+template <typename F>
+void expect_usage_error(F&& f, std::string_view needle) {
+  try {
+    f();
+    FAIL_CHECK("no exception; expected one mentioning '" << needle << "'");
+  } catch (const fiber::UsageError& e) {
+    CHECK_MESSAGE(contains(e.what(), needle), "message: " << e.what());
+  }
+}
+
+// Spawns body on s; join() returns true iff body ended by throwing fiber::Cancelled. The fiber
+// catches it itself, so the exception object never crosses threads through an exception_ptr
+// (which TSan cannot follow: libstdc++'s refcount is not instrumented).
+template <typename F>
+fiber::JoinHandle<bool> spawn_cancellable(fiber::Scheduler& s, F body) {
+  return fiber::spawn({.scheduler = &s}, [body = std::move(body)]() mutable {
+    try {
+      body();
+    } catch (const fiber::Cancelled&) {
+      return true;
+    }
+    return false;
+  });
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ Semaphore
+
+TEST_CASE("semaphore: counting, bounds and misuse") {
+  fiber::Semaphore sem(2, 3);
+  CHECK(sem.available() == 2);
+  CHECK(sem.max() == 3);
+  CHECK(sem.try_acquire());
+  CHECK(sem.try_acquire());
+  CHECK_FALSE(sem.try_acquire());
+  sem.release(3);
+  CHECK(sem.available() == 3);
+  expect_usage_error([&] { sem.release(); }, "exceed the maximum of 3");
+  CHECK(sem.available() == 3);  // nothing released
+  expect_usage_error([&] { sem.release(-1); }, "negative");
+  sem.release(0);
+  expect_usage_error([] { fiber::Semaphore bad(-1); }, "0 <= initial <= max");
+  expect_usage_error([] { fiber::Semaphore bad(5, 4); }, "0 <= initial <= max");
+  expect_usage_error([] { fiber::Semaphore bad(0, 0); }, "max >= 1");
+  fiber::Semaphore unbounded;
+  unbounded.release(fiber::Semaphore::kUnbounded);
+  expect_usage_error([&] { unbounded.release(); }, "exceed");
+}
+
+TEST_CASE("semaphore: timed acquire is never early; negative means try") {
+  for (Where w : {Where::fiber, Where::thread}) {
+    fiber::Scheduler s({.processors = 1, .name = "semt"});
+    Team team;
+    team.spawn(w, s, [] {
+      fiber::Semaphore sem(0);
+      auto t0 = Clock::now();
+      CHECK_FALSE(sem.try_acquire_for(20ms));
+      CHECK(Clock::now() - t0 >= 20ms);
+      t0 = Clock::now();
+      CHECK_FALSE(sem.try_acquire_until(t0 + 10ms));
+      CHECK(Clock::now() >= t0 + 10ms);
+      CHECK_FALSE(sem.try_acquire_for(-1s));
+      sem.release();
+      CHECK(sem.try_acquire_for(-1s));
+    });
+    team.join();
+  }
+}
+
+TEST_CASE("semaphore: limits concurrency; permits handed over FIFO, none lost") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const int permits = 3, workers = 10, iters = kTsan ? 200 : (kSanitized ? 1000 : 5000);
+    fiber::Semaphore sem(permits, permits);
+    std::atomic<int> inside{0}, max_inside{0};
+    std::atomic<long> done{0};
+    Team team;
+    for (int k = 0; k < workers; ++k) {
+      team.spawn(k % 4 == 0 ? Where::thread : Where::fiber, s, [&, k] {
+        for (int i = 0; i < iters; ++i) {
+          if ((i + k) % 3 == 0) {
+            if (!sem.try_acquire_for(50us)) continue;
+          } else {
+            sem.acquire();
+          }
+          const int now = inside.fetch_add(1) + 1;
+          int m = max_inside.load();
+          while (now > m && !max_inside.compare_exchange_weak(m, now)) {
+          }
+          CHECK(now <= permits);
+          if (i % 16 == 0) fiber::this_fiber::yield();
+          inside.fetch_sub(1);
+          done.fetch_add(1);
+          sem.release();
+        }
+      });
+    }
+    team.join();
+    CHECK(sem.available() == permits);  // every permit came back
+    CHECK(max_inside.load() <= permits);
+    CHECK(done.load() > 0);
+  });
+}
+
+TEST_CASE("semaphore: a cancelled waiter leaves no permit behind") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Semaphore sem(0);
+    auto h = spawn_cancellable(s, [&] { sem.acquire(); });
+    std::this_thread::sleep_for(1ms);
+    h.cancel();
+    CHECK(h.join());  // threw Cancelled
+    sem.release();
+    CHECK(sem.available() == 1);  // not handed to the departed waiter
+  });
+}
+
+// ------------------------------------------------------------------------------ Latch
+
+TEST_CASE("latch: waits until the count reaches zero; misuse throws") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const int n = 10;
+    fiber::Latch start(1), arrived(n);
+    std::atomic<int> passed{0};
+    Team team;
+    for (int i = 0; i < n; ++i) {
+      team.spawn(i % 3 == 0 ? Where::thread : Where::fiber, s, [&] {
+        start.wait();
+        arrived.arrive_and_wait();
+        CHECK(arrived.try_wait());
+        passed.fetch_add(1);
+      });
+    }
+    std::this_thread::sleep_for(1ms);
+    CHECK(passed.load() == 0);
+    CHECK(arrived.count() == n);
+    start.count_down();
+    team.join();
+    CHECK(passed.load() == n);
+    arrived.wait();  // stays open
+  });
+  fiber::Latch l(2);
+  expect_usage_error([&] { l.count_down(3); }, "exceeds the count 2");
+  expect_usage_error([&] { l.count_down(-1); }, "negative");
+  CHECK(l.count() == 2);
+  expect_usage_error([] { fiber::Latch bad(-1); }, "negative");
+  auto t0 = Clock::now();
+  CHECK_FALSE(l.wait_for(10ms));
+  CHECK(Clock::now() - t0 >= 10ms);
+  CHECK_FALSE(l.wait_for(-1s));
+  l.count_down(2);
+  CHECK(l.wait_for(-1s));
+  CHECK(l.wait_until(Clock::now() + 1h));
+  expect_usage_error([&] { l.count_down(); }, "exceeds the count 0");
+}
+
+// ------------------------------------------------------------------------------ Barrier
+
+TEST_CASE("barrier: phases with fibers and threads; one completer per phase") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const int parties = 6, rounds = kSanitized ? 50 : 300;
+    fiber::Barrier bar(parties);
+    std::vector<std::atomic<int>> arrivals(rounds);
+    std::vector<std::atomic<int>> completers(rounds);
+    Team team;
+    for (int k = 0; k < parties; ++k) {
+      team.spawn(k % 3 == 0 ? Where::thread : Where::fiber, s, [&] {
+        for (int r = 0; r < rounds; ++r) {
+          arrivals[r].fetch_add(1);
+          if (bar.arrive_and_wait()) completers[r].fetch_add(1);
+          // Nobody passes round r's barrier before every party arrived at it.
+          CHECK(arrivals[r].load() == parties);
+        }
+      });
+    }
+    team.join();
+    int bad = 0;
+    for (auto& c : completers) bad += c.load() != 1;
+    CHECK(bad == 0);
+    CHECK(bar.phase() == static_cast<std::uint64_t>(rounds));
+  });
+}
+
+TEST_CASE("barrier: arrive_and_drop, cancellation and misuse") {
+  fiber::Scheduler s({.processors = 2, .name = "bar"});
+  fiber::Barrier bar(3);
+  Team team;
+  std::atomic<int> passed{0};
+  team.spawn(Where::fiber, s, [&] {
+    bar.arrive_and_wait();
+    passed.fetch_add(1);
+    bar.arrive_and_wait();  // the next phase expects 2
+    passed.fetch_add(1);
+  });
+  team.spawn(Where::thread, s, [&] {
+    bar.arrive_and_wait();
+    passed.fetch_add(1);
+    bar.arrive_and_wait();
+    passed.fetch_add(1);
+  });
+  std::this_thread::sleep_for(1ms);
+  bar.arrive_and_drop();  // completes phase 0 (3 expected: 2 arrived + this one)
+  team.join();
+  CHECK(passed.load() == 4);
+  CHECK(bar.phase() == 2);
+
+  // A cancelled waiter's arrival is withdrawn: the phase still needs a full set.
+  fiber::Barrier b2(2);
+  auto h = spawn_cancellable(s, [&] { b2.arrive_and_wait(); });
+  std::this_thread::sleep_for(1ms);
+  h.cancel();
+  CHECK(h.join());  // threw Cancelled
+  CHECK(b2.phase() == 0);
+  team.spawn(Where::fiber, s, [&] { (void)b2.arrive_and_wait(); });
+  team.spawn(Where::thread, s, [&] { b2.arrive_and_wait(); });
+  team.join();
+  CHECK(b2.phase() == 1);
+
+  fiber::Barrier one(1);
+  CHECK(one.arrive_and_wait());  // a single participant completes every phase itself
+  one.arrive_and_drop();
+  expect_usage_error([&] { one.arrive_and_wait(); }, "dropped out");
+  expect_usage_error([&] { one.arrive_and_drop(); }, "dropped out");
+  expect_usage_error([] { fiber::Barrier bad(0); }, "at least one participant");
+}
