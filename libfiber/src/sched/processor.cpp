@@ -11,6 +11,8 @@
 #include "sched/processor.hpp"
 
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -55,11 +57,15 @@ __attribute__((noinline)) int load_errno() noexcept { return errno; }
 __attribute__((noinline)) void store_errno(int v) noexcept { errno = v; }
 }  // namespace
 
-Processor::Processor(SchedulerImpl& sched, uint32_t index)
-    : sched_(sched), index_(index), rng_(index * 2654435761u + 1), stealer_(queue_.stealer()) {
+Processor::Processor(SchedulerImpl& sched, uint32_t index, bool retirable)
+    : sched_(sched),
+      index_(index),
+      retirable_(retirable),
+      rng_(index * 2654435761u + 1),
+      stealer_(queue_.stealer()) {
   loop_.is_loop = true;
   loop_.state.store(FiberState::Running, std::memory_order_relaxed);
-  current_ = &loop_;
+  current_.store(&loop_, std::memory_order_relaxed);
 }
 
 Processor::~Processor() = default;
@@ -79,10 +85,14 @@ void Processor::start() {
   std::condition_variable cv;
   bool ready = false;
   std::exception_ptr error;
+  retired_ = false;  // the thread is not running: nobody else reads it now
+  life_.store(Life::Running, std::memory_order_release);
   thread_ = std::thread([&] {
     bool ok = true;
     try {
-      poller_ = Poller::create();
+      auto poller = Poller::create();
+      std::lock_guard lock(life_mu_);
+      poller_ = std::move(poller);
     } catch (...) {
       error = std::current_exception();
       ok = false;
@@ -101,17 +111,28 @@ void Processor::start() {
   if (error) {
     lock.unlock();
     thread_.join();
+    life_.store(Life::Stopped, std::memory_order_release);
     std::rethrow_exception(error);
   }
 }
 
 void Processor::request_shutdown() noexcept {
+  std::lock_guard lock(life_mu_);  // a retiring thread may be destroying its poller
   shutdown_.store(true, std::memory_order_release);
-  poller_->wake();
+  if (poller_) poller_->wake();
 }
 
 void Processor::join() {
   if (thread_.joinable()) thread_.join();
+  life_.store(Life::Stopped, std::memory_order_release);
+}
+
+int64_t Processor::thread_cpu_ns() const noexcept {
+  if (tid_.load(std::memory_order_relaxed) == 0) return -1;
+  timespec ts;
+  // A thread CPU clock of this process; fails (EINVAL) once the thread has ended.
+  if (clock_gettime(static_cast<clockid_t>(cpu_clock_.load(std::memory_order_relaxed)), &ts) != 0) return -1;
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 void Processor::thread_main() {
@@ -119,8 +140,15 @@ void Processor::thread_main() {
   loop_.san.on_thread();
   const std::string tname = (sched_.name() + "-P" + std::to_string(index_)).substr(0, 15);
   pthread_setname_np(pthread_self(), tname.c_str());
+  clockid_t cpu_clock;
+  if (pthread_getcpuclockid(pthread_self(), &cpu_clock) == 0) {
+    cpu_clock_.store(static_cast<int>(cpu_clock), std::memory_order_relaxed);
+    tid_.store(static_cast<int>(::syscall(SYS_gettid)), std::memory_order_relaxed);
+  }
+  stacks_.emplace();
+  if (retirable_) sched_.idle().add_processor();  // base processors are counted from the start
 
-  while (!shutdown_.load(std::memory_order_acquire)) {
+  while (!shutdown_.load(std::memory_order_acquire) && !retired_) {
     if (Fiber* f = find_work()) {
       run(f);
     } else {
@@ -131,7 +159,17 @@ void Processor::thread_main() {
     sched_.idle().transition_from_searching();
     searching_ = false;
   }
+  stacks_.reset();  // back to the global pool
+  tid_.store(0, std::memory_order_relaxed);
   set_current_processor(nullptr);
+  if (retired_) {
+    {
+      std::lock_guard lock(life_mu_);
+      poller_.reset();
+    }
+    // Last touch of this object by this thread: the monitor joins it, and may start it again.
+    life_.store(Life::Exited, std::memory_order_release);
+  }
 }
 
 // ------------------------------------------------------------------------------ switching
@@ -146,7 +184,8 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
     to->set_state(FiberState::Runnable, FiberState::Running);
     to->last_processor = p;
   }
-  p->current_ = to;
+  p->current_.store(to, std::memory_order_relaxed);
+  p->count_switch();  // all the watchdog costs a switch
   SwitchMsg msg{p, from, to, action};
   const int saved_errno = load_errno();
   Transfer t = jump(to->ctx, from->san, to->san, &msg, action == After::Finish);
@@ -193,7 +232,7 @@ void Processor::fiber_main(Transfer t) noexcept {
 
 bool Processor::prepare_first_run(Fiber* f) noexcept {
   try {
-    f->stack = stacks_.get(f->stack_size);
+    f->stack = stacks_->get(f->stack_size);
   } catch (...) {
     // No stack: the fiber finishes with the error without ever running (join rethrows it).
     f->task->error = std::current_exception();
@@ -221,10 +260,15 @@ void Processor::run(Fiber* f) noexcept {
 }
 
 void Processor::yield_current(Processor* p) {
-  Fiber* self = p->current_;
+  Fiber* self = p->current();
   throw_if_cancelled(self);
   Fiber* next = p->find_work();
-  if (next == nullptr) return;  // nothing else to run: carry on
+  if (next == nullptr) {
+    // Nothing else to run: carry on. Nothing waits behind us either, so for the watchdog this
+    // counts as a switch (a fiber yielding alone is not blocking anyone).
+    p->count_switch();
+    return;
+  }
   if (next->pinned != nullptr && next->pinned != p) {
     next->pinned->push_inbox(next);
     return;
@@ -239,7 +283,7 @@ void Processor::yield_current(Processor* p) {
 
 void Processor::park_current(ParkReason why) noexcept {
   Processor* p = current_processor();
-  Fiber* self = p->current_;
+  Fiber* self = p->current();
   self->park_reason = why;
   for (;;) {
     // Woken before we even left: nothing to switch for.
@@ -262,7 +306,7 @@ void Processor::park_current(ParkReason why) noexcept {
 
 void Processor::finish_current() noexcept {
   Processor* p = current_processor();
-  Fiber* self = p->current_;
+  Fiber* self = p->current();
   complete_fiber(self);
   self->transition(FiberState::Running, FiberState::Finished);
   p = current_processor();
@@ -279,9 +323,12 @@ void Processor::finish_current() noexcept {
 void Processor::release_finished(Fiber* f) noexcept {
   if (f->stack) {
     f->san.on_destroy();
-    stacks_.put(f->stack);
+    stacks_->put(f->stack);
     f->stack = {};
   }
+  // The monitor may be reading this control block (the id and name of a fiber it reports):
+  // wait for it before the last reference can go. See SchedulerImpl::watchdog_may_free().
+  sched_.watchdog_may_free(f);
   drop_fiber_ref(f);
 }
 
@@ -308,7 +355,11 @@ void Processor::push_inbox(Fiber* f) noexcept {
     inbox_nonempty_.store(true, std::memory_order_release);
   }
   // Either we find it asleep (and wake it), or it re-checks the inbox after going to sleep.
-  if (sched_.idle().unpark_by_id(index_)) poller_->wake();
+  // A retired processor is neither: the monitor notices its inbox and starts it again.
+  if (sched_.idle().wake_by_id(index_)) {
+    poller_->wake();
+    sched_.idle().wake_done(index_);
+  }
 }
 
 bool Processor::drain_inbox() noexcept {
@@ -334,6 +385,10 @@ Fiber* Processor::take_lifo() noexcept {
   if (lifo_.load(std::memory_order_relaxed) == nullptr) return nullptr;
   return lifo_.exchange(nullptr, std::memory_order_acq_rel);
 }
+
+// The monitor's take: the same exchange, so the owner and the monitor never both get the fiber.
+// Acquire pairs with the exchange that put it there (the fiber's state is visible to us).
+Fiber* Processor::steal_lifo() noexcept { return take_lifo(); }
 
 bool Processor::has_local_work() const noexcept {
   return lifo_.load(std::memory_order_acquire) != nullptr || queue_.has_tasks() ||
@@ -364,7 +419,8 @@ Fiber* Processor::steal_work() noexcept {
     if (!sched_.idle().transition_to_searching()) return nullptr;
     searching_ = true;
   }
-  const uint32_t n = sched_.num_processors();
+  // Every slot ever started; the ones not running now have empty queues.
+  const uint32_t n = sched_.processor_slots();
   rng_ ^= rng_ << 13;
   rng_ ^= rng_ >> 17;
   rng_ ^= rng_ << 5;
@@ -441,22 +497,50 @@ bool Processor::transition_to_parked() noexcept {
 
 bool Processor::transition_from_parked() noexcept {
   if (has_local_work()) {
-    // Woken by our own timers or inbox: not a searcher unless someone else also woke us.
+    // Work of our own (timers, inbox). Still on the sleepers list: leave it, not as a searcher.
+    // Already off it: a waker took us off and counted us as searching (processor_to_notify and
+    // wake_by_id both do), so we are one.
     searching_ = !sched_.idle().unpark_by_id(index_);
     return true;
   }
   if (sched_.idle().is_parked(index_)) return false;
-  searching_ = true;  // a notifier woke us (and counted us as searching) to look for work
+  searching_ = true;  // a waker took us off the list (and counted us as searching)
+  return true;
+}
+
+// An idle extra processor retires: it leaves the idle state for good (so nobody can wake it),
+// then thread_main ends the thread. Only with nothing of its own left - no queued fiber, no
+// timer (a timer lives in the queue of the processor it was set on) - and no processor
+// blocked, since the extra is what stands in for a blocked one. A fiber pinned here that is
+// woken later lands in the inbox; the monitor then starts this processor again.
+bool Processor::try_retire() noexcept {
+  if (sched_.stopping() || sched_.blocked_processors() != 0) return false;
+  if (has_local_work() || timers_.next_deadline() != TimerQueue::kNone) return false;
+  if (!sched_.idle().retire(index_)) return false;  // a notifier took us: look for work
+  retired_ = true;
   return true;
 }
 
 void Processor::park_thread() noexcept {
   if (!transition_to_parked()) return;
+  const int64_t retire_after = retirable_ ? sched_.retire_after_ns() : 0;
+  int64_t idle_since = retirable_ ? steady_now_ns() : 0;
   while (!shutdown_.load(std::memory_order_acquire)) {
     if (maintenance() && transition_from_parked()) return;
     const int64_t next = timers_.next_deadline();
+    const int64_t now = (next != TimerQueue::kNone || retirable_) ? steady_now_ns() : 0;
     int64_t timeout = -1;
-    if (next != TimerQueue::kNone) timeout = std::max<int64_t>(0, next - steady_now_ns());
+    if (next != TimerQueue::kNone) timeout = std::max<int64_t>(0, next - now);
+    if (retirable_) {
+      int64_t left = idle_since + retire_after - now;
+      if (left <= 0) {
+        if (try_retire()) return;
+        if (transition_from_parked()) return;  // woken meanwhile, or found work
+        idle_since = now;
+        left = retire_after;
+      }
+      timeout = timeout < 0 ? left : std::min(timeout, left);
+    }
     poller_->wait(timeout);
     maintenance();
     if (transition_from_parked()) return;

@@ -7,12 +7,25 @@
 // Every switch carries a SwitchMsg to the context it resumes, and that context finishes the
 // switch on the fiber that left: saves its context, then yields it (enqueue), parks it
 // (publish), or frees its stack (finish). That is the two-phase park of invariant 1.
+//
+// For the watchdog (sched/monitor.hpp) every switch bumps `switches_` and publishes `current_`;
+// another thread may read both at any time. That is all the switch path pays for it.
+//
+// Lifecycle: base processors start with the scheduler and run until it stops. Extra processors
+// (index >= Options::processors) are started by the monitor when every processor is blocked,
+// and retire - leave the idle state, free their poller and end their thread - after being
+// parked for WatchdogOptions::retire_after with no processor blocked. The Processor object
+// stays (its queues are empty), so a retired processor can be started again.
 #pragma once
+
+#include <sys/types.h>
+#include <time.h>
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "context/stack.hpp"
@@ -34,22 +47,48 @@ class Processor {
   static constexpr uint32_t kGlobalInterval = 32;  // ticks between injector-first picks
   static constexpr uint32_t kMaxLifoInARow = 3;    // LIFO picks before the queue gets a turn
 
-  Processor(SchedulerImpl& sched, uint32_t index);
+  // Thread lifecycle, read by the monitor.
+  enum class Life : uint8_t {
+    Stopped,  // never started, or retired and joined
+    Running,  // its thread runs the loop
+    Exited,   // its thread has retired and ended; join() it
+  };
+
+  // `retirable`: an extra processor, which may retire when idle.
+  Processor(SchedulerImpl& sched, uint32_t index, bool retirable);
   ~Processor();
   Processor(const Processor&) = delete;
   Processor& operator=(const Processor&) = delete;
 
-  void start();          // starts the thread; returns once its poller exists
+  // Starts the thread; returns once its poller exists. Also restarts a Stopped processor.
+  // Not concurrently with itself, join() or request_shutdown() on the same processor.
+  void start();
   void request_shutdown() noexcept;
   void join();
 
   uint32_t index() const noexcept { return index_; }
   SchedulerImpl& sched() const noexcept { return sched_; }
-  Fiber* current() const noexcept { return current_; }
+  // The fiber running now, or loop_fiber(). Owner: exact. Others: a racy snapshot, see below.
+  Fiber* current() const noexcept { return current_.load(std::memory_order_relaxed); }
   RunQueue::Stealer stealer() const noexcept { return stealer_; }
   TimerQueue& timers() noexcept { return timers_; }
   Poller& poller() noexcept { return *poller_; }
   uint64_t next_fiber_id() noexcept;
+
+  // ---- For the monitor (any thread).
+  // Switches so far. Loaded with acquire: pairs with the release store in switch_to, so the
+  // current() read next is the fiber switched to by that switch or a later one.
+  uint64_t switches() const noexcept { return switches_.load(std::memory_order_acquire); }
+  const Fiber* loop_fiber() const noexcept { return &loop_; }
+  Life life() const noexcept { return life_.load(std::memory_order_acquire); }
+  int os_tid() const noexcept { return tid_.load(std::memory_order_relaxed); }
+  // CPU time its thread has used, in ns; -1 if unknown (not running).
+  int64_t thread_cpu_ns() const noexcept;
+  // Takes the fiber waiting in the LIFO slot, if any (the monitor moves it to the injector
+  // while this processor is blocked).
+  Fiber* steal_lifo() noexcept;
+  bool lifo_occupied() const noexcept { return lifo_.load(std::memory_order_acquire) != nullptr; }
+  bool inbox_pending() const noexcept { return inbox_nonempty_.load(std::memory_order_acquire); }
 
   // ---- Executed only by the running fiber of the calling thread's processor. Static because
   // the fiber may resume on another processor: they never use `this` after switching.
@@ -97,34 +136,55 @@ class Processor {
   void park_thread() noexcept;
   bool transition_to_parked() noexcept;
   bool transition_from_parked() noexcept;
+  bool try_retire() noexcept;
   void check_stack(const Fiber* f) const noexcept;
+  // A scheduling point that is not a switch (a yield with nothing else to run).
+  void count_switch() noexcept {
+    // Single writer (the owner): a plain load and store, no locked instruction. Release pairs
+    // with the monitor's acquire in switches().
+    switches_.store(switches_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  }
 
   SchedulerImpl& sched_;
   const uint32_t index_;
+  const bool retirable_;
+
+  // ---- written by the owner on every switch, read by the monitor. Own cache line: the
+  // monitor's reads then cost the owner one miss per sample, and nothing else is disturbed.
+  // current_: relaxed stores and loads compile to plain moves, as the former plain pointer did.
+  alignas(64) std::atomic<Fiber*> current_{nullptr};  // the fiber running now, or &loop_
+  std::atomic<uint64_t> switches_{0};                  // see count_switch()
 
   // ---- owner-only state
-  Fiber* current_ = nullptr;  // the fiber running now (or &loop_ in the loop context)
-  Fiber loop_;                // this thread's own stack as a switch target
+  alignas(64) Fiber loop_;  // this thread's own stack as a switch target
   RunQueue queue_;
   uint32_t tick_ = 0;
   uint32_t lifo_in_a_row_ = 0;
   bool searching_ = false;  // mirrors our share of Idle's searching count
+  bool retired_ = false;    // try_retire() succeeded: leave the loop
   uint32_t rng_;            // victim selection
   uint64_t id_next_ = 0, id_end_ = 0;  // block of fiber ids
-  StackCache stacks_;
+  std::optional<StackCache> stacks_;   // made when the thread starts, emptied when it retires
 
   // ---- shared state
   RunQueue::Stealer stealer_;
-  // A woken fiber waiting to run next. Exchanged by the owner; (later) taken by the watchdog's
-  // rescuers with an exchange too, so take and put are atomic RMWs.
+  // A woken fiber waiting to run next. Exchanged by the owner, and by the monitor when this
+  // processor is blocked (steal_lifo), so take and put are atomic RMWs.
   std::atomic<Fiber*> lifo_{nullptr};
   TimerQueue timers_;
-  std::unique_ptr<Poller> poller_;  // created on the thread; immutable after start()
+  // Created on the thread when it starts, destroyed by it when it retires, both under life_mu_.
+  // Wakers reach it only through the idle state, which keeps a retiring processor waiting
+  // until they are done (Idle::retire).
+  std::unique_ptr<Poller> poller_;
+  std::mutex life_mu_;  // poller_ creation/destruction vs request_shutdown()
   std::mutex inbox_mu_;
   Fiber* inbox_head_ = nullptr;  // GUARDED_BY(inbox_mu_)
   Fiber* inbox_tail_ = nullptr;  // GUARDED_BY(inbox_mu_)
   std::atomic<bool> inbox_nonempty_{false};  // stored under inbox_mu_
   std::atomic<bool> shutdown_{false};
+  std::atomic<Life> life_{Life::Stopped};
+  std::atomic<int> tid_{0};            // OS thread id while running
+  std::atomic<int> cpu_clock_{0};      // its CPU-time clock (a clockid_t) while running
   std::thread thread_;
 };
 

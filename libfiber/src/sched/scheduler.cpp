@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -49,20 +50,46 @@ std::size_t resolve_stack_size(std::size_t requested) {
   return kDefaultStackSize;
 }
 
+// Options::max_processors as resolved: at least `base`, at most 1024.
+uint32_t resolve_max_processors(std::size_t requested, uint32_t base) {
+  if (requested > 1024) {
+    throw UsageError("fiber::Scheduler: max_processors " + std::to_string(requested) +
+                     " is more than the limit of 1024");
+  }
+  return static_cast<uint32_t>(std::max<std::size_t>(requested, base));
+}
+
+// Checks the watchdog options; returns retire_after in ns.
+int64_t checked_retire_after_ns(const WatchdogOptions& w) {
+  if (w.enabled) {
+    if (w.interval.count() <= 0) throw UsageError("fiber::Scheduler: watchdog.interval must be positive");
+    if (w.threshold.count() <= 0) throw UsageError("fiber::Scheduler: watchdog.threshold must be positive");
+    if (w.retire_after.count() < 0) throw UsageError("fiber::Scheduler: watchdog.retire_after must not be negative");
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(w.retire_after).count();
+}
+
 }  // namespace
 
 SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
     : name_(o.name.empty() ? "fiber" : o.name),
       default_stack_class_(resolve_stack_size(o.stack_size)),
-      idle_(static_cast<uint32_t>(resolve_processor_count(o.processors))),
-      registry_(idle_.num_processors() + 1) {
+      base_(static_cast<uint32_t>(resolve_processor_count(o.processors))),
+      retire_after_ns_(checked_retire_after_ns(o.watchdog)),
+      idle_(base_, resolve_max_processors(o.max_processors, base_)),
+      registry_(resolve_max_processors(o.max_processors, base_) + 1),
+      processors_(resolve_max_processors(o.max_processors, base_)) {
   Poller::validate_env();
-  const uint32_t n = idle_.num_processors();
-  processors_.reserve(n);
-  for (uint32_t i = 0; i < n; ++i) processors_.push_back(std::make_unique<Processor>(*this, i));
+  if (o.watchdog.enabled) {
+    hazard_.enable();  // before any processor thread exists: they read it without a lock
+    monitor_ = std::make_unique<Monitor>(*this, o.watchdog);
+  }
+  for (uint32_t i = 0; i < base_; ++i) processors_[i] = std::make_unique<Processor>(*this, i, false);
+  slots_.store(base_, std::memory_order_release);
   uint32_t started = 0;
   try {
-    for (; started < n; ++started) processors_[started]->start();
+    for (; started < base_; ++started) processors_[started]->start();
+    if (monitor_) monitor_->start();
   } catch (...) {
     for (uint32_t i = 0; i < started; ++i) processors_[i]->request_shutdown();
     for (uint32_t i = 0; i < started; ++i) processors_[i]->join();
@@ -72,18 +99,40 @@ SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
 
 SchedulerImpl::~SchedulerImpl() { stop(); }
 
+Processor& SchedulerImpl::ensure_processor(uint32_t i) {
+  if (!processors_[i]) processors_[i] = std::make_unique<Processor>(*this, i, i >= base_);
+  // Slots are taken lowest first, so this extends the range by one; release publishes the
+  // Processor to every thread that iterates slots.
+  if (slots_.load(std::memory_order_relaxed) <= i) slots_.store(i + 1, std::memory_order_release);
+  return *processors_[i];
+}
+
+WatchdogStats SchedulerImpl::watchdog_stats() const noexcept {
+  if (!monitor_) return {};
+  WatchdogStats s = monitor_->stats();
+  const uint32_t n = processor_slots();
+  for (uint32_t i = base_; i < n; ++i) {
+    if (processors_[i]->life() == Processor::Life::Running) ++s.extra_running;
+  }
+  return s;
+}
+
 void SchedulerImpl::inject(Fiber* f) noexcept {
   injector_.push(f);
   notify_parked();
 }
 
 void SchedulerImpl::notify_parked() noexcept {
-  if (auto id = idle_.processor_to_notify()) processors_[*id]->wake_thread();
+  if (auto id = idle_.processor_to_notify()) {
+    processors_[*id]->wake_thread();
+    idle_.wake_done(*id);
+  }
 }
 
 void SchedulerImpl::notify_if_work_pending() noexcept {
-  for (auto& p : processors_) {
-    if (!p->stealer().is_empty()) {
+  const uint32_t n = processor_slots();
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!processors_[i]->stealer().is_empty()) {
       notify_parked();
       return;
     }
@@ -109,8 +158,12 @@ void SchedulerImpl::stop() {
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));
   }
-  for (auto& p : processors_) p->request_shutdown();
-  for (auto& p : processors_) p->join();
+  // The monitor keeps watching until every fiber is gone (a blocked processor may hold fibers
+  // that must run to unwind), then stops before the processors, so it starts none of them.
+  if (monitor_) monitor_->stop();
+  const uint32_t n = processor_slots();
+  for (uint32_t i = 0; i < n; ++i) processors_[i]->request_shutdown();
+  for (uint32_t i = 0; i < n; ++i) processors_[i]->join();
   stopped_.store(true, std::memory_order_release);
 }
 
@@ -127,7 +180,13 @@ Scheduler::~Scheduler() {
 
 void Scheduler::stop() { impl_->stop(); }
 
-std::size_t Scheduler::processors() const noexcept { return impl_->num_processors(); }
+std::size_t Scheduler::processors() const noexcept { return impl_->base_processors(); }
+
+std::size_t Scheduler::extra_processors() const noexcept { return impl_->watchdog_stats().extra_running; }
+
+std::uint64_t Scheduler::blocked_incidents() const noexcept { return impl_->watchdog_stats().incidents; }
+
+WatchdogStats Scheduler::watchdog_stats() const noexcept { return impl_->watchdog_stats(); }
 
 const std::string& Scheduler::name() const noexcept { return impl_->name(); }
 

@@ -1,5 +1,11 @@
 // SchedulerImpl: the processors of one scheduler and what they share (injector, idle state,
-// registry of live fibers).
+// registry of live fibers, the watchdog).
+//
+// Processor slots: `max_processors` slots exist from the start (the vector, the idle state's
+// per-id arrays and the registry shards are sized for them); the first `base_processors` hold
+// processors that run until stop(). The monitor fills the others on demand (extras) and
+// publishes each new one by raising processor_slots(), so code that iterates processors reads
+// processor_slots() (acquire) first and never sees a slot before its Processor exists.
 #pragma once
 
 #include <atomic>
@@ -13,6 +19,7 @@
 #include "sched/fiber.hpp"
 #include "sched/idle.hpp"
 #include "sched/injector.hpp"
+#include "sched/monitor.hpp"
 #include "sched/processor.hpp"
 
 namespace fiber::detail {
@@ -52,12 +59,19 @@ class SchedulerImpl {
   bool stopping() const noexcept { return stopping_.load(std::memory_order_acquire); }
 
   const std::string& name() const noexcept { return name_; }
-  uint32_t num_processors() const noexcept { return static_cast<uint32_t>(processors_.size()); }
+  // Options::processors: started with the scheduler, never retire.
+  uint32_t base_processors() const noexcept { return base_; }
+  // Options::max_processors as resolved (>= base_processors()).
+  uint32_t max_processors() const noexcept { return static_cast<uint32_t>(processors_.size()); }
+  // Slots [0, processor_slots()) hold a Processor (running or not). Never shrinks.
+  uint32_t processor_slots() const noexcept { return slots_.load(std::memory_order_acquire); }
   Processor& processor(uint32_t i) noexcept { return *processors_[i]; }
+  // Monitor thread only: the processor of slot i (< max_processors()), made if needed.
+  Processor& ensure_processor(uint32_t i);
   Idle& idle() noexcept { return idle_; }
   Injector& injector() noexcept { return injector_; }
   Registry& registry() noexcept { return registry_; }
-  uint32_t external_shard() const noexcept { return num_processors(); }
+  uint32_t external_shard() const noexcept { return max_processors(); }
   std::size_t default_stack_class() const noexcept { return default_stack_class_; }
 
   // A fiber made runnable from outside this scheduler's processors.
@@ -67,15 +81,32 @@ class SchedulerImpl {
   // The last searcher's check before sleeping: wake someone if any queue has work.
   void notify_if_work_pending() noexcept;
 
+  // ---- watchdog (sched/monitor.hpp)
+  // Processors blocked at the monitor's last sample; 0 without a monitor.
+  uint32_t blocked_processors() const noexcept { return monitor_ ? monitor_->blocked_now() : 0; }
+  int64_t retire_after_ns() const noexcept { return retire_after_ns_; }
+  FiberReadHazard& hazard() noexcept { return hazard_; }
+  // A processor is about to drop its reference to finished fiber `f`: wait while the monitor
+  // reads it. A compiler barrier and one load when nothing is being read.
+  void watchdog_may_free(const Fiber* f) const noexcept { hazard_.before_free(f); }
+  // Zero without a monitor; extra_running is counted from the processors' states.
+  WatchdogStats watchdog_stats() const noexcept;
+
  private:
   std::string name_;
   std::size_t default_stack_class_;
+  uint32_t base_;
+  int64_t retire_after_ns_;
   Idle idle_;
   Injector injector_;
   Registry registry_;
-  std::vector<std::unique_ptr<Processor>> processors_;
+  FiberReadHazard hazard_;
+  std::vector<std::unique_ptr<Processor>> processors_;  // max_processors() slots
+  std::atomic<uint32_t> slots_{0};  // see processor_slots(); stored with release after the slot is made
   std::atomic<bool> stopping_{false};
   std::atomic<bool> stopped_{false};
+  // Last: destroyed first, while the processors it watches still exist.
+  std::unique_ptr<Monitor> monitor_;
 };
 
 // Resolves Options::processors: explicit value, else $FIBER_PROCS, else hardware concurrency.

@@ -1,0 +1,142 @@
+// Monitor: the blocked-processor watchdog (DESIGN invariant 6; libgo's dispatcher thread, Go's
+// sysmon). One thread per scheduler; see libfiber/README.md, "Watchdog".
+//
+// Every `interval` it samples each running processor's switch counter and current fiber. A
+// processor whose counter has not moved for `threshold` while a fiber (not its loop) is current
+// is *stalled*; the monitor then, on every sample until it switches:
+//   - moves the fiber in its LIFO slot to the injector (which wakes a sleeper), fires its expired
+//     timers (their fibers go to the injector too), and wakes a sleeper if its ring has fibers,
+//     so idle processors steal them;
+//   - decides once whether it is *blocked*: its thread is in the kernel (an unhooked blocking
+//     call: /proc/self/task/TID/syscall names it) or is using CPU (a loop: its thread CPU clock
+//     moved by at least a quarter of the threshold since a quarter of the threshold into the
+//     stall). A thread that only
+//     waits for a CPU (preempted, a throttled cgroup) is neither, and is not reported. A blocked
+//     processor is one incident: counted, and reported once through the sink.
+//   - when every running processor is blocked, fibers are waiting and fewer than max_processors
+//     run, starts an extra processor. Extras retire by themselves (Processor::try_retire).
+//
+// The monitor never touches a processor's owner-only state. It reads `switches_` and `current_`
+// (atomics), takes the LIFO slot with the same exchange the owner uses, steals nothing itself
+// (the ring's stealers are the processors), and fires timers under the timer queue's lock.
+//
+// Reading the blocked fiber's id and name: the fiber may finish (and be freed) at any moment, so
+// the monitor announces the fiber in a hazard word, then re-checks that the processor has not
+// switched since; the processor checks the word before it drops the reference of a fiber that
+// finished (Processor::release_finished) and waits while it names that fiber. The two sides
+// form a store-buffering pattern that needs a full fence on each; the processor's would cost
+// every fiber's finish, so it is made asymmetric: the monitor runs membarrier(2)
+// (PRIVATE_EXPEDITED), which puts a full barrier on every running thread of the process, and the
+// processor only needs a compiler barrier. Without membarrier both sides use real fences.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fiber/scheduler.hpp"
+
+namespace fiber::detail {
+
+struct Fiber;
+class Processor;
+class SchedulerImpl;
+
+// The hazard word that lets the monitor read a running fiber's control block. See above.
+class FiberReadHazard {
+ public:
+  // Monitor side, once: turns the watchdog on (before_free starts checking) and picks the fence.
+  void enable() noexcept;
+
+  // Processor side, after the switch away from a finished fiber and before its last reference
+  // can go. Not on the switch path proper: once per finished fiber.
+  void before_free(const Fiber* f) const noexcept {
+    if (!enabled_) return;
+    light_fence();
+    // Acquire: pairs with the monitor's release in end_read(); its reads of *f happen-before
+    // whatever we do to f next.
+    while (reading_.load(std::memory_order_acquire) == f) std::this_thread::yield();
+  }
+
+  // Monitor side: announces f. The caller must then re-check that f is still its processor's
+  // current fiber with the same switch count before reading *f, and call end_read() after.
+  // False if the fence could not be made (then do not read).
+  bool begin_read(const Fiber* f) noexcept;
+  void end_read() noexcept { reading_.store(nullptr, std::memory_order_release); }
+
+ private:
+  void light_fence() const noexcept;
+  std::atomic<const Fiber*> reading_{nullptr};
+  bool enabled_ = false;
+  bool membarrier_ = false;  // the heavy side is membarrier(2): the light side is a compiler barrier
+};
+
+class Monitor {
+ public:
+  Monitor(SchedulerImpl& sched, const WatchdogOptions& options);
+  ~Monitor();
+  Monitor(const Monitor&) = delete;
+  Monitor& operator=(const Monitor&) = delete;
+
+  void start();  // starts the monitor thread (throws ResourceError if it cannot)
+  void stop();   // stops and joins it; idempotent
+
+  // Processors blocked at the last sample (extras do not retire while any is).
+  uint32_t blocked_now() const noexcept { return blocked_now_.load(std::memory_order_relaxed); }
+  WatchdogStats stats() const noexcept;
+
+ private:
+  // What the monitor knows about one processor slot. Monitor thread only.
+  struct Watch {
+    uint64_t seq = 0;               // switch count at the last change
+    const Fiber* fiber = nullptr;   // current fiber then
+    int64_t since = 0;              // when the monitor first saw (seq, fiber), steady ns
+    int64_t cpu_mark = -1;          // thread CPU time at cpu_mark_at (-1: not taken / unknown)
+    int64_t cpu_mark_at = 0;        // 0: not taken yet
+    bool stalled = false;           // no switch for `threshold`
+    bool decided = false;           // blocked or not has been decided for this stall
+    bool blocked = false;           // an incident (reported)
+    std::size_t queued = 0;         // fibers queued when the stall was first seen
+  };
+
+  // The fiber of an incident, copied while it was certainly alive.
+  struct Culprit {
+    unsigned long long id = 0;
+    char name[64] = {};
+    std::string where;
+  };
+
+  void run();
+  bool sample(int64_t now);  // one round; true if any processor was running a fiber
+  void rescue(Processor& p, int64_t now);
+  bool decide(Processor& p, Watch& w, int64_t now, std::string& where);
+  bool identify(Processor& p, const Watch& w, Culprit& c);
+  void report(Processor& p, const Watch& w, int64_t now, const Culprit& c);
+  bool work_pending() const noexcept;
+  void grow();
+  void start_processor(uint32_t index) noexcept;
+
+  SchedulerImpl& sched_;
+  const int64_t interval_ns_;
+  const int64_t threshold_ns_;
+  std::function<void(const BlockedReport&)> sink_;
+  std::vector<Watch> watch_;  // per processor slot
+  bool start_failed_ = false;  // an extra could not be started: do not try again
+
+  std::atomic<uint32_t> blocked_now_{0};
+  std::atomic<uint64_t> incidents_{0};
+  std::atomic<uint64_t> extra_started_{0};
+  std::atomic<uint64_t> extra_retired_{0};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // GUARDED_BY(mu_)
+  std::thread thread_;
+};
+
+}  // namespace fiber::detail

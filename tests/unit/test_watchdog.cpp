@@ -1,0 +1,422 @@
+// The blocked-processor watchdog (DESIGN invariant 6, libfiber/README.md "Watchdog").
+//
+// A fiber that runs without switching - a CPU loop, an unhooked blocking system call - must not
+// strand the fibers queued behind it: the monitor moves them (LIFO slot included) to processors
+// that can run them, starts extra processors up to max_processors when every processor is
+// blocked, retires them when they have been idle, and reports the culprit once per incident.
+// Timing assertions are generous bounds only; every wait is bounded (a failure, never a hang).
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <fcntl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+// A copy of one BlockedReport (the report's views die with the sink call).
+struct Seen {
+  std::string scheduler;
+  unsigned long long fiber_id = 0;
+  std::string fiber_name;
+  std::chrono::nanoseconds running_for{};
+  unsigned processor = 0;
+  int thread_id = 0;
+  std::size_t queued = 0;
+  std::string where;
+};
+
+// Collects reports; declare it before the scheduler whose sink it is.
+class Reports {
+ public:
+  std::function<void(const fiber::BlockedReport&)> sink() {
+    return [this](const fiber::BlockedReport& r) {
+      std::lock_guard lock(mu_);
+      seen_.push_back(Seen{std::string(r.scheduler), r.fiber_id, std::string(r.fiber_name), r.running_for,
+                           r.processor, r.thread_id, r.queued, std::string(r.where)});
+    };
+  }
+  std::vector<Seen> all() const {
+    std::lock_guard lock(mu_);
+    return seen_;
+  }
+  std::size_t count_for(unsigned long long id) const {
+    std::size_t n = 0;
+    for (const Seen& s : all()) n += s.fiber_id == id;
+    return n;
+  }
+  std::optional<Seen> find(unsigned long long id) const {
+    for (const Seen& s : all()) {
+      if (s.fiber_id == id) return s;
+    }
+    return std::nullopt;
+  }
+  std::string dump() const {
+    std::string out;
+    for (const Seen& s : all()) {
+      out += "#" + std::to_string(s.fiber_id) + " '" + s.fiber_name + "' on P" + std::to_string(s.processor) + " " +
+             std::to_string(s.running_for.count() / 1000) + " us: " + s.where + "\n";
+    }
+    return out.empty() ? "(no reports)" : out;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Seen> seen_;
+};
+
+fiber::WatchdogOptions fast_watchdog(Reports& r) {
+  return fiber::WatchdogOptions{.threshold = 10ms, .retire_after = 50ms, .sink = r.sink()};
+}
+
+// Spins without ever switching until pred() holds or `limit` passes; returns pred().
+template <typename Pred>
+bool spin_until(Pred&& pred, std::chrono::milliseconds limit) {
+  const auto deadline = Clock::now() + scaled(limit);
+  while (!pred()) {
+    if (Clock::now() >= deadline) return pred();
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("watchdog: a CPU-bound fiber does not stop 1000 queued fibers (1 processor, 2 allowed)") {
+  Reports reports;
+  with_watchdog(60'000ms, "watchdog cpu-bound", [&] {
+    fiber::Scheduler s(
+        {.processors = 1, .max_processors = 2, .name = "wd-cpu", .watchdog = fast_watchdog(reports)});
+    REQUIRE(s.processors() == 1);
+    constexpr int kQueued = 1000;
+    std::atomic<int> done{0};
+    std::atomic<bool> spinning{false};
+    auto spinner = fiber::spawn({.scheduler = &s, .name = "spinner"}, [&] {
+      spinning.store(true);
+      // Holds processor 0 without a single switch until all the others have run.
+      spin_until([&] { return done.load() == kQueued; }, 20'000ms);
+      return done.load();
+    });
+    REQUIRE(wait_for([&] { return spinning.load(); }));
+    const unsigned long long spinner_id = spinner.id();  // join() empties the handle
+    std::vector<fiber::JoinHandle<void>> hs;
+    hs.reserve(kQueued);
+    for (int i = 0; i < kQueued; ++i) hs.push_back(fiber::spawn({.scheduler = &s}, [&done] { done.fetch_add(1); }));
+
+    const int seen = spinner.join();
+    CHECK_MESSAGE(seen == kQueued, "only " << seen << " of " << kQueued
+                                           << " queued fibers ran while the spinner held its processor; reports:\n"
+                                           << reports.dump());
+    for (auto& h : hs) h.join();
+
+    const fiber::WatchdogStats st = s.watchdog_stats();
+    CHECK(st.extra_started >= 1);
+    CHECK(st.incidents >= 1);
+    const auto r = reports.find(spinner_id);
+    REQUIRE_MESSAGE(r.has_value(), "the spinner was not reported; reports:\n" << reports.dump());
+    CHECK(r->fiber_name == "spinner");
+    CHECK(r->scheduler == "wd-cpu");
+    CHECK(r->processor == 0);
+    CHECK(r->thread_id > 0);
+    CHECK(r->running_for >= 10ms);
+    CHECK_MESSAGE(contains(r->where, "running"), r->where);
+    CHECK_MESSAGE(reports.count_for(spinner_id) == 1, "one incident, one report:\n" << reports.dump());
+
+    // Nothing is blocked now: the extra processor goes once it has been idle for retire_after.
+    const bool retired =
+        wait_for([&] { return s.extra_processors() == 0 && s.watchdog_stats().extra_retired >= 1; }, 10'000ms);
+    CHECK_MESSAGE(retired, "extra processors still running: " << s.extra_processors());
+    CHECK(s.watchdog_stats().blocked_now == 0);
+  });
+}
+
+TEST_CASE("watchdog: a fiber blocked in a raw read(2) does not stop the others; the extra starts and retires") {
+  Reports reports;
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  with_watchdog(60'000ms, "watchdog raw read", [&] {
+    fiber::Scheduler s(
+        {.processors = 1, .max_processors = 2, .name = "wd-read", .watchdog = fast_watchdog(reports)});
+
+    // Sleepers first: they park with their timers on processor 0, which is about to block. A
+    // timer fires only on its processor's thread - or, while that one is blocked, the monitor.
+    constexpr int kSleepers = 20;
+    std::atomic<int> asleep{0}, woke{0};
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int i = 0; i < kSleepers; ++i) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&] {
+        asleep.fetch_add(1);
+        fiber::this_fiber::sleep_for(30ms);
+        woke.fetch_add(1);
+      }));
+    }
+    REQUIRE(wait_for([&] { return asleep.load() == kSleepers; }));
+
+    std::atomic<bool> reading{false};
+    auto reader = fiber::spawn({.scheduler = &s, .name = "raw-reader"}, [&] {
+      reading.store(true);
+      char c = 0;
+      // A raw system call: no hook can turn it into a fiber wait. It blocks processor 0's thread.
+      const long n = ::syscall(SYS_read, fds[0], &c, 1);
+      return n == 1 && c == 'x';
+    });
+    REQUIRE(wait_for([&] { return reading.load(); }));
+    const unsigned long long reader_id = reader.id();
+
+    constexpr int kOthers = 200;
+    std::atomic<int> done{0};
+    for (int i = 0; i < kOthers; ++i) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&] {
+        for (int k = 0; k < 3; ++k) fiber::this_fiber::yield();
+        fiber::this_fiber::sleep_for(1ms);
+        done.fetch_add(1);
+      }));
+    }
+    const bool all = wait_for([&] { return done.load() == kOthers && woke.load() == kSleepers; }, 20'000ms);
+    CHECK_MESSAGE(all, done.load() << " of " << kOthers << " fibers and " << woke.load() << " of " << kSleepers
+                                   << " sleepers finished while the reader blocked; reports:\n"
+                                   << reports.dump());
+    CHECK_FALSE(reader.finished());  // still in read(2): nobody needed it
+    CHECK(s.extra_processors() == 1);  // stands in for the blocked one, and stays while it is blocked
+
+    REQUIRE(wait_for([&] { return reports.find(reader_id).has_value(); }, 10'000ms));
+    const Seen r = *reports.find(reader_id);
+    CHECK(r.fiber_name == "raw-reader");
+    CHECK(r.processor == 0);
+    CHECK(r.thread_id > 0);
+    CHECK_MESSAGE(contains(r.where, "system call read"), r.where);
+
+    REQUIRE(::write(fds[1], "x", 1) == 1);
+    CHECK(reader.join());
+    for (auto& h : hs) h.join();
+    CHECK_MESSAGE(reports.count_for(reader_id) == 1, "one incident, one report:\n" << reports.dump());
+
+    const bool retired =
+        wait_for([&] { return s.extra_processors() == 0 && s.watchdog_stats().extra_retired >= 1; }, 10'000ms);
+    CHECK_MESSAGE(retired, "extra processors still running: " << s.extra_processors());
+  });
+  ::close(fds[0]);
+  ::close(fds[1]);
+}
+
+TEST_CASE("watchdog: the LIFO slot of a blocked processor is rescued (no extra processors allowed)") {
+  Reports reports;
+  with_watchdog(60'000ms, "watchdog lifo", [&] {
+    fiber::Scheduler s({.processors = 2, .name = "wd-lifo", .watchdog = fast_watchdog(reports)});
+    std::this_thread::sleep_for(20ms);  // both processors idle and parked
+    auto h = fiber::spawn({.scheduler = &s, .name = "lifo-holder"}, [&s] {
+      std::atomic<bool> ran{false};
+      // Spawned from a fiber: the child goes to this processor's LIFO slot, which other
+      // processors never steal from, and nobody is woken for it.
+      auto child = fiber::spawn([&ran] { ran.store(true); });
+      // Until the child ran and this fiber was reported (under load the verdict may come a
+      // sample or two after the rescue).
+      spin_until([&] { return ran.load() && s.blocked_incidents() > 0; }, 20'000ms);
+      const bool ok = ran.load();
+      child.join();
+      return ok;
+    });
+    const unsigned long long id = h.id();
+    CHECK_MESSAGE(h.join(), "the fiber in the blocked processor's LIFO slot never ran; reports:\n" << reports.dump());
+    CHECK(s.watchdog_stats().extra_started == 0);  // max_processors defaults to processors
+    CHECK(reports.find(id).has_value());
+  });
+}
+
+TEST_CASE("watchdog: a fiber pinned to a retired extra processor starts it again when woken") {
+  Reports reports;
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  with_watchdog(60'000ms, "watchdog pinned", [&] {
+    fiber::Scheduler s(
+        {.processors = 1, .max_processors = 2, .name = "wd-pin", .watchdog = fast_watchdog(reports)});
+    auto reader = fiber::spawn({.scheduler = &s}, [&] {
+      char c = 0;
+      return ::syscall(SYS_read, fds[0], &c, 1) == 1;
+    });
+    // Processor 0 blocks; this one can only run on the extra, and pins itself there.
+    fiber::WaitGroup wg;
+    wg.add(1);
+    std::atomic<int> before{-1}, after{-1};
+    auto pinned = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::this_fiber::PinGuard pin;
+      before.store(static_cast<int>(fiber::this_fiber::processor_index()));
+      wg.wait();  // parked without a timer: the extra can retire meanwhile
+      after.store(static_cast<int>(fiber::this_fiber::processor_index()));
+    });
+    REQUIRE(wait_for([&] { return before.load() >= 0; }, 10'000ms));
+    CHECK(before.load() == 1);
+    REQUIRE(::write(fds[1], "x", 1) == 1);
+    CHECK(reader.join());
+    const bool retired =
+        wait_for([&] { return s.extra_processors() == 0 && s.watchdog_stats().extra_retired >= 1; }, 10'000ms);
+    REQUIRE_MESSAGE(retired, "the extra processor did not retire");
+    wg.done();  // wakes the pinned fiber into the inbox of a processor with no thread
+    pinned.join();
+    CHECK(after.load() == before.load());
+    CHECK(s.watchdog_stats().extra_started >= 2);
+  });
+  ::close(fds[0]);
+  ::close(fds[1]);
+}
+
+TEST_CASE("watchdog: an extra processor starts and retires again and again") {
+  Reports reports;
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  with_watchdog(60'000ms, "watchdog cycles", [&] {
+    fiber::Scheduler s({.processors = 1,
+                        .max_processors = 2,
+                        .name = "wd-cycle",
+                        .watchdog = {.threshold = 5ms, .retire_after = 0ms, .sink = reports.sink()}});
+    constexpr int kCycles = 5;
+    for (int cycle = 0; cycle < kCycles; ++cycle) {
+      CAPTURE(cycle);
+      std::atomic<bool> reading{false};
+      auto reader = fiber::spawn({.scheduler = &s}, [&] {
+        reading.store(true);
+        char c = 0;
+        return ::syscall(SYS_read, fds[0], &c, 1) == 1;
+      });
+      REQUIRE(wait_for([&] { return reading.load(); }));
+      // Runs only once the extra processor is there (processor 0 is blocked).
+      auto other = fiber::spawn({.scheduler = &s}, [] {
+        fiber::this_fiber::sleep_for(1ms);
+        return fiber::this_fiber::processor_index();
+      });
+      CHECK(other.join() == 1u);
+      REQUIRE(::write(fds[1], "x", 1) == 1);
+      CHECK(reader.join());
+      const bool retired = wait_for(
+          [&] { return s.extra_processors() == 0 && s.watchdog_stats().extra_retired >= static_cast<uint64_t>(cycle + 1); },
+          10'000ms);
+      REQUIRE_MESSAGE(retired, "extra processors still running: " << s.extra_processors());
+    }
+    const fiber::WatchdogStats st = s.watchdog_stats();
+    CHECK(st.extra_started == kCycles);
+    CHECK(st.extra_retired == kCycles);
+    CHECK(st.incidents == kCycles);
+  });
+  ::close(fds[0]);
+  ::close(fds[1]);
+}
+
+TEST_CASE("watchdog: no report under a busy workload of many short fibers") {
+  Reports reports;
+  with_watchdog(60'000ms, "watchdog busy", [&] {
+    // The default interval and threshold - scaled under sanitizers, which slow everything down
+    // (TSan's own locks and shadow-memory work can hold a thread for many milliseconds).
+    const fiber::WatchdogOptions defaults;
+    fiber::Scheduler s({.processors = 2,
+                        .max_processors = 4,
+                        .name = "wd-busy",
+                        .watchdog = {.threshold = defaults.threshold * kSlowdown, .sink = reports.sink()}});
+    const auto end = Clock::now() + 1500ms;
+    std::atomic<long> fibers{0};
+    fiber::block_on({.scheduler = &s}, [&] {
+      std::vector<fiber::JoinHandle<void>> drivers;
+      for (int d = 0; d < 4; ++d) {
+        drivers.push_back(fiber::spawn([&, d] {
+          while (Clock::now() < end) {
+            std::vector<fiber::JoinHandle<int>> kids;
+            kids.reserve(64);
+            for (int i = 0; i < 64; ++i) {
+              kids.push_back(fiber::spawn([i, d] {
+                int x = i + d;
+                for (int k = 0; k < 3; ++k) {
+                  x = x * 31 + 7;
+                  fiber::this_fiber::yield();
+                }
+                if (i % 16 == 0) fiber::this_fiber::sleep_for(50us);
+                return x;
+              }));
+            }
+            for (auto& k : kids) k.join();
+            fibers.fetch_add(64, std::memory_order_relaxed);
+          }
+        }));
+      }
+      for (auto& h : drivers) h.join();
+    });
+    // Plain-thread spawns too (they go through the injector).
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int i = 0; i < 2000; ++i) hs.push_back(fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::yield(); }));
+    for (auto& h : hs) h.join();
+    MESSAGE(fibers.load() << " short fibers ran");
+    CHECK(fibers.load() > 0);
+    CHECK_MESSAGE(s.blocked_incidents() == 0, reports.dump());
+    CHECK_MESSAGE(reports.all().empty(), reports.dump());
+    CHECK(s.watchdog_stats().extra_started == 0);
+  });
+}
+
+TEST_CASE("watchdog: disabled, it starts nothing and reports nothing") {
+  Reports reports;
+  with_watchdog(60'000ms, "watchdog disabled", [&] {
+    fiber::Scheduler s({.processors = 1,
+                        .max_processors = 2,
+                        .name = "wd-off",
+                        .watchdog = {.enabled = false, .threshold = 1ms, .sink = reports.sink()}});
+    auto h = fiber::spawn({.scheduler = &s}, [] { spin_until([] { return false; }, 60ms); });
+    h.join();
+    CHECK(s.blocked_incidents() == 0);
+    CHECK(s.extra_processors() == 0);
+    CHECK(s.watchdog_stats().extra_started == 0);
+    CHECK(reports.all().empty());
+  });
+}
+
+TEST_CASE("watchdog: the default sink writes one line to stderr naming the fiber") {
+  // Redirect fd 2 to a file for the duration.
+  char path[] = "/tmp/fiber_watchdog_XXXXXX";
+  const int file = ::mkstemp(path);
+  REQUIRE(file >= 0);
+  ::unlink(path);
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  REQUIRE(saved >= 0);
+  REQUIRE(::dup2(file, 2) == 2);
+  unsigned long long id = 0;
+  {
+    fiber::Scheduler s({.processors = 1, .name = "wd-sink", .watchdog = {.threshold = 5ms}});
+    auto h = fiber::spawn({.scheduler = &s, .name = "busy-loop"},
+                          [&s] { return spin_until([&s] { return s.blocked_incidents() >= 1; }, 20'000ms); });
+    id = h.id();
+    CHECK(h.join());
+  }
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  ::lseek(file, 0, SEEK_SET);
+  while ((n = ::read(file, buf, sizeof buf)) > 0) text.append(buf, static_cast<std::size_t>(n));
+  ::close(file);
+  CHECK_MESSAGE(contains(text, "fiber #" + std::to_string(id) + " 'busy-loop'"), text);
+  CHECK_MESSAGE(contains(text, "scheduler 'wd-sink'"), text);
+}
+
+TEST_CASE("watchdog: option checks") {
+  CHECK_THROWS_AS(fiber::Scheduler({.processors = 1, .watchdog = {.interval = 0ms}}), fiber::UsageError);
+  CHECK_THROWS_AS(fiber::Scheduler({.processors = 1, .watchdog = {.threshold = 0ms}}), fiber::UsageError);
+  CHECK_THROWS_AS(fiber::Scheduler({.processors = 1, .max_processors = 1025}), fiber::UsageError);
+  // Below `processors` means `processors`; a disabled watchdog's timings are not checked.
+  fiber::Scheduler a({.processors = 2, .max_processors = 1, .name = "wd-opt"});
+  CHECK(a.processors() == 2);
+  CHECK(a.extra_processors() == 0);
+  fiber::Scheduler b({.processors = 1, .name = "wd-opt2", .watchdog = {.enabled = false, .interval = 0ms}});
+  CHECK(b.watchdog_stats().incidents == 0);
+}
