@@ -1,0 +1,96 @@
+// 1,000,000 fibers alive at once, with the default stack size, under the kernel's default
+// vm.max_map_count (65530).
+//
+// Guarded stacks cost two mappings each, so a million of them cannot exist; the runtime must
+// switch to unguarded stacks carved from shared mappings once its guarded budget is spent. Every
+// fiber parks on one WaitGroup (the gate) until all have started; then the gate opens and all
+// finish. Sanitizer builds run a reduced count (their per-fiber bookkeeping is far larger).
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "context/stack.hpp"  // StackAllocator::stats(): guarded vs. unguarded stacks in use
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+constexpr long kFibers = kTsan ? 2'000 : (kSanitized ? 100'000 : 1'000'000);
+
+std::size_t count_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  std::size_t n = 0;
+  std::string line;
+  while (std::getline(maps, line)) ++n;
+  return n;
+}
+
+std::size_t max_map_count() {
+  std::ifstream f("/proc/sys/vm/max_map_count");
+  std::size_t v = 65530;
+  f >> v;
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("Million: 10^6 fibers alive at once with the default stack size") {
+  // Declared before the scheduler: the fibers touch them until the scheduler is gone.
+  fiber::WaitGroup gate;
+  fiber::WaitGroup finished;
+  std::atomic<long> started{0};
+  std::atomic<long> released{0};
+  gate.add(1);
+  finished.add(kFibers);
+
+  const auto t0 = Clock::now();
+  auto secs = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  {
+    fiber::Scheduler s({.processors = 4, .name = "million"});
+    with_watchdog(240'000ms, "a million fibers", [&] {
+      for (long i = 0; i < kFibers; ++i) {
+        fiber::spawn({.scheduler = &s}, [&] {
+          started.fetch_add(1, std::memory_order_relaxed);
+          gate.wait();
+          released.fetch_add(1, std::memory_order_relaxed);
+          finished.done();
+        }).detach();
+      }
+      MESSAGE(kFibers << " fibers spawned after " << secs() << " s");
+
+      // Wait until every fiber has started and parked on the gate.
+      const bool all_started = wait_for([&] { return started.load() == kFibers; }, 180'000ms, 2ms);
+      REQUIRE_MESSAGE(all_started, "only " << started.load() << " of " << kFibers << " fibers started");
+      MESSAGE("all started after " << secs() << " s");
+
+      // The peak: all of them alive, none past the gate.
+      CHECK(s.live_fibers() == static_cast<std::size_t>(kFibers));
+      CHECK(released.load() == 0);
+      const auto st = fiber::detail::StackAllocator::instance().stats();
+      const std::size_t maps = count_mappings();
+      MESSAGE("peak: " << s.live_fibers() << " live fibers; stacks guarded " << st.guarded_live << " (limit "
+                       << st.guarded_limit << "), unguarded " << st.unguarded_live << "; " << maps
+                       << " mappings (vm.max_map_count " << max_map_count() << ")");
+      CHECK(st.guarded_live <= st.guarded_limit);
+      CHECK(maps < max_map_count());
+      if (kFibers > static_cast<long>(st.guarded_limit) + 4 * 128) {
+        CHECK(st.unguarded_live > 0);  // the fallback was used
+      }
+
+      gate.done();
+      finished.wait();
+      MESSAGE("all finished after " << secs() << " s");
+      CHECK(released.load() == kFibers);
+      quiesce(s, 60'000ms);
+      CHECK(s.live_fibers() == 0);
+    });
+  }
+  CHECK(finished.count() == 0);
+}

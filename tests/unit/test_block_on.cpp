@@ -1,0 +1,283 @@
+// block_on and wait_all (fiber/block_on.hpp): values, exceptions, and waiting for every fiber
+// spawned (transitively) inside, from plain threads and from fibers.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <variant>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+struct CodeError : std::runtime_error {
+  explicit CodeError(int c) : std::runtime_error("code " + std::to_string(c)), code(c) {}
+  int code;
+};
+}  // namespace
+
+TEST_CASE("block_on: returns the root's value or rethrows its exception") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    CHECK(fiber::block_on({.scheduler = &s}, [] { return 7; }) == 7);
+    CHECK(fiber::block_on({.scheduler = &s}, [] { return std::string("seven"); }) == "seven");
+    auto p = fiber::block_on({.scheduler = &s}, [] { return std::make_unique<int>(77); });
+    REQUIRE(p);
+    CHECK(*p == 77);
+    bool ran = false;
+    fiber::block_on({.scheduler = &s}, [&] { ran = fiber::this_fiber::in_fiber(); });
+    CHECK(ran);
+    // The root ran on s.
+    const std::string tn = fiber::block_on({.scheduler = &s}, [] { return thread_name(); });
+    CHECK_MESSAGE(tn.rfind("t-P", 0) == 0, "ran on " << tn);
+
+    CHECK_THROWS_AS(fiber::block_on({.scheduler = &s}, []() -> int { throw CodeError(3); }), CodeError);
+    try {
+      fiber::block_on({.scheduler = &s}, [] {
+        fiber::this_fiber::sleep_for(1ms);
+        throw CodeError(4);
+      });
+      FAIL_CHECK("no exception");
+    } catch (const CodeError& e) {
+      CHECK(e.code == 4);
+    }
+  });
+  // Default scheduler, from main.
+  CHECK(fiber::block_on([] { return 5; }) == 5);
+}
+
+TEST_CASE("block_on: waits for late descendants") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    std::atomic<bool> grandchild_done{false};
+    std::atomic<int> spawned{0};
+    std::atomic<int> finished{0};
+    const int v = fiber::block_on({.scheduler = &s}, [&] {
+      // The brief's shape: child sleeps, spawns a grandchild that sleeps and sets the flag.
+      spawned.fetch_add(1);
+      fiber::spawn([&] {
+        fiber::this_fiber::sleep_for(20ms);
+        spawned.fetch_add(1);
+        go[&] {
+          fiber::this_fiber::sleep_for(20ms);
+          grandchild_done = true;
+          finished.fetch_add(1);
+        };
+        finished.fetch_add(1);
+      }).detach();
+      // And a wider tree: 4 children x 3 grandchildren x 2 great-grandchildren, mixed sleeps
+      // and yields, detached and dropped handles.
+      for (int c = 0; c < 4; ++c) {
+        spawned.fetch_add(1);
+        auto h = fiber::spawn([&, c] {
+          for (int g = 0; g < 3; ++g) {
+            spawned.fetch_add(1);
+            go[&, c, g] {
+              fiber::this_fiber::sleep_for(std::chrono::milliseconds(1 + (c + g) % 4));
+              for (int k = 0; k < 2; ++k) {
+                spawned.fetch_add(1);
+                fiber::spawn([&, k] {
+                  if (k == 0) fiber::this_fiber::yield(); else fiber::this_fiber::sleep_for(5ms);
+                  finished.fetch_add(1);
+                });  // handle dropped: detached
+              }
+              finished.fetch_add(1);
+            };
+          }
+          finished.fetch_add(1);
+        });
+        (void)h;  // dropped at the end of the iteration
+      }
+      return 99;
+    });
+    CHECK(v == 99);
+    CHECK(grandchild_done.load());
+    CHECK(spawned.load() == 2 + 4 * (1 + 3 * (1 + 2)));
+    CHECK(finished.load() == spawned.load());
+    quiesce(s);  // the last members leave the registry just after the group
+  });
+}
+
+TEST_CASE("block_on: rethrows only after the descendants finished") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    std::atomic<bool> late{false};
+    CHECK_THROWS_AS(fiber::block_on({.scheduler = &s},
+                                    [&] {
+                                      go[&] {
+                                        fiber::this_fiber::sleep_for(20ms);
+                                        late = true;
+                                      };
+                                      throw CodeError(1);
+                                    }),
+                    CodeError);
+    CHECK(late.load());
+    quiesce(s);
+  });
+}
+
+TEST_CASE("wait_all: values in argument order, void as monostate") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto t = fiber::block_on({.scheduler = &s}, [] {
+      return fiber::wait_all(
+          [] {
+            fiber::this_fiber::sleep_for(15ms);
+            return 1;
+          },
+          [] { return std::string("two"); },
+          [] { fiber::this_fiber::sleep_for(5ms); },
+          [] { return std::make_unique<int>(4); });
+    });
+    static_assert(std::is_same_v<std::tuple_element_t<2, decltype(t)>, std::monostate>);
+    CHECK(std::get<0>(t) == 1);
+    CHECK(std::get<1>(t) == "two");
+    REQUIRE(std::get<3>(t));
+    CHECK(*std::get<3>(t) == 4);
+
+    auto single = fiber::block_on({.scheduler = &s}, [] { return fiber::wait_all([] { return 8; }); });
+    CHECK(std::get<0>(single) == 8);
+  });
+  // From main: the default scheduler.
+  auto [a, b] = fiber::wait_all([] { return 1; }, [] { return 2.5; });
+  CHECK(a == 1);
+  CHECK(b == 2.5);
+}
+
+TEST_CASE("wait_all: waits for descendants, rethrows the first exception in argument order") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    std::atomic<int> finished{0};
+    std::atomic<bool> late{false};
+    auto r = fiber::block_on({.scheduler = &s}, [&] {
+      return fiber::wait_all(
+          [&] {
+            go[&] {
+              fiber::this_fiber::sleep_for(25ms);
+              late = true;
+            };
+            finished.fetch_add(1);
+            return 1;
+          },
+          [&] {
+            fiber::spawn([&] {
+              fiber::this_fiber::sleep_for(10ms);
+              finished.fetch_add(1);
+            }).detach();
+            finished.fetch_add(1);
+          });
+    });
+    CHECK(std::get<0>(r) == 1);
+    CHECK(late.load());
+    CHECK(finished.load() == 3);
+
+    // Argument 2 fails late, argument 3 fails at once, argument 4 is slow: the exception is
+    // argument 2's, and it comes only after argument 4 (and its child) finished.
+    std::atomic<bool> slow_done{false};
+    std::atomic<bool> slow_child_done{false};
+    try {
+      fiber::block_on({.scheduler = &s}, [&] {
+        fiber::wait_all([] { return 1; },
+                        []() -> int {
+                          fiber::this_fiber::sleep_for(20ms);
+                          throw CodeError(2);
+                        },
+                        []() -> int { throw CodeError(3); },
+                        [&] {
+                          go[&] {
+                            fiber::this_fiber::sleep_for(30ms);
+                            slow_child_done = true;
+                          };
+                          fiber::this_fiber::sleep_for(10ms);
+                          slow_done = true;
+                        });
+      });
+      FAIL_CHECK("no exception");
+    } catch (const CodeError& e) {
+      CHECK(e.code == 2);
+    }
+    CHECK(slow_done.load());
+    CHECK(slow_child_done.load());
+    quiesce(s);
+  });
+}
+
+TEST_CASE("block_on: nested inside a fiber") {
+  for_each_proc_count([](fiber::Scheduler& s, int n) {
+    fiber::Scheduler other({.processors = static_cast<std::size_t>(n % 3 + 1), .name = "other"});
+    std::atomic<int> inner_done{0};
+    auto result = fiber::block_on({.scheduler = &s}, [&] {
+      // Inner block_on on the same scheduler: returns only once its own descendants are done.
+      const int a = fiber::block_on([&] {
+        for (int i = 0; i < 10; ++i) {
+          go[&, i] {
+            fiber::this_fiber::sleep_for(std::chrono::milliseconds(i % 5));
+            inner_done.fetch_add(1);
+          };
+        }
+        return 10;
+      });
+      const int seen = inner_done.load();
+      // Inner block_on on another scheduler, from this fiber.
+      const std::string where = fiber::block_on({.scheduler = &other}, [&] {
+        go[&] {
+          fiber::this_fiber::sleep_for(5ms);
+          inner_done.fetch_add(1);
+        };
+        return thread_name();
+      });
+      const int seen2 = inner_done.load();
+      // Three levels deep.
+      const int deep = fiber::block_on([] { return fiber::block_on([] { return fiber::block_on([] { return 3; }); }); });
+      return std::make_tuple(a, seen, where, seen2, deep);
+    });
+    auto [a, seen, where, seen2, deep] = result;
+    CHECK(a == 10);
+    CHECK(seen == 10);
+    CHECK_MESSAGE(where.rfind("other-P", 0) == 0, "ran on " << where);
+    CHECK(seen2 == 11);
+    CHECK(deep == 3);
+    quiesce(other);
+    quiesce(s);
+  });
+}
+
+TEST_CASE("block_on: from several plain threads at once") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kThreads = 6;
+    constexpr int kRounds = 40;
+    std::atomic<int> wrong{0};
+    std::atomic<int> missing{0};
+    with_watchdog(60'000ms, "concurrent block_on", [&] {
+      std::vector<std::thread> threads;
+      for (int t = 0; t < kThreads; ++t) {
+        threads.emplace_back([&, t] {
+          for (int r = 0; r < kRounds; ++r) {
+            std::atomic<int> kids{0};
+            const int v = fiber::block_on({.scheduler = &s}, [&, t, r] {
+              for (int k = 0; k < 5; ++k) {
+                go[&kids, r, k] {  // by value: the root's frame is gone before they run
+                  if ((r + k) % 3 == 0) fiber::this_fiber::sleep_for(200us); else fiber::this_fiber::yield();
+                  kids.fetch_add(1);
+                };
+              }
+              return t * 1000 + r;
+            });
+            if (v != t * 1000 + r) wrong.fetch_add(1);
+            if (kids.load() != 5) missing.fetch_add(1);
+            // `kids` dies here: every member finished (block_on waited), though the last ones
+            // may still be leaving the registry - they no longer touch `kids`.
+          }
+        });
+      }
+      for (auto& th : threads) th.join();
+    });
+    CHECK(wrong.load() == 0);
+    CHECK(missing.load() == 0);
+    quiesce(s);
+  });
+}

@@ -1,0 +1,395 @@
+// Migration: a fiber may resume on another processor (thread) after any blocking call.
+//
+//   1. It does migrate, and what it reads through non-inlined thread_local accessors always
+//      belongs to the thread it runs on *now* (and matches this_fiber::processor_index()).
+//   2. errno is per fiber: it survives switches and migrations, and fibers sharing a thread do
+//      not see each other's value.
+//   3. PinGuard keeps a fiber on one processor through yields, sleeps and wakes from other
+//      threads; after the guard it migrates again.
+//
+// Thread identity is read with the gettid system call (os_tid): pthread_self() and errno's
+// address are declared __attribute__((const)), so a compiler may reuse a value read before a
+// switch. The thread_local / errno accessors below are noinline for the same reason.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+thread_local pid_t t_cached_tid = 0;
+
+// The tid of the thread whose thread_local block this reads, cached there on first use.
+__attribute__((noinline)) pid_t tls_tid() {
+  asm volatile("" ::: "memory");
+  if (t_cached_tid == 0) t_cached_tid = os_tid();
+  return t_cached_tid;
+}
+__attribute__((noinline)) void set_errno(int v) {
+  asm volatile("" ::: "memory");
+  errno = v;
+}
+__attribute__((noinline)) int get_errno() {
+  asm volatile("" ::: "memory");
+  return errno;
+}
+
+// Fibers that keep every processor of a scheduler busy (yields, short sleeps), so that queues
+// fill, idle processors steal, and fibers move between threads.
+class Churn {
+ public:
+  Churn(fiber::Scheduler& s, int fibers) {
+    for (int i = 0; i < fibers; ++i) {
+      hs_.push_back(fiber::spawn({.scheduler = &s, .name = "churn"}, [this, i] {
+        long n = 0;
+        while (!stop_.load(std::memory_order_relaxed)) {
+          for (int k = 0; k < 50; ++k) fiber::this_fiber::yield();
+          fiber::this_fiber::sleep_for(std::chrono::microseconds(50 + 25 * (i % 4)));
+          ++n;
+        }
+        return n;
+      }));
+    }
+  }
+  ~Churn() { stop(); }
+  void stop() {
+    stop_ = true;
+    for (auto& h : hs_) {
+      if (h.joinable()) h.join();
+    }
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<fiber::JoinHandle<long>> hs_;
+};
+
+// A plain thread that wakes fibers: a fiber calls wait_for_thread(), which parks it on a
+// WaitGroup that this thread completes. Every wait gets its own WaitGroup, never reused, all
+// alive until the Waker is destroyed (after the fibers are done).
+class Waker {
+ public:
+  explicit Waker(std::size_t capacity) : wgs_(capacity), thread_([this] { run(); }) {}
+  ~Waker() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  // Parks the calling fiber until the waker thread wakes it.
+  void wait_for_thread() {
+    const std::size_t i = next_.fetch_add(1);
+    if (i >= wgs_.size()) {  // a test bug; no doctest macro here (it could touch errno)
+      std::fprintf(stderr, "Waker: capacity %zu exceeded\n", wgs_.size());
+      std::abort();
+    }
+    fiber::WaitGroup& wg = wgs_[i];
+    wg.add(1);
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back(i);
+    }
+    cv_.notify_one();
+    wg.wait();
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      const std::size_t i = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      std::this_thread::sleep_for(20us);  // let the fiber park first, mostly
+      wgs_[i].done();
+      lock.lock();
+    }
+  }
+
+  std::vector<fiber::WaitGroup> wgs_;
+  std::atomic<std::size_t> next_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::size_t> queue_;  // GUARDED_BY(mu_)
+  bool stop_ = false;              // GUARDED_BY(mu_)
+  std::thread thread_;
+};
+
+struct Observed {
+  int iterations = 0;
+  int changes = 0;          // resumed on a different thread than before
+  int tls_mismatch = 0;     // thread_local read gave another thread's value
+  int index_mismatch = 0;   // processor_index() disagrees with the thread's name
+  std::size_t threads = 0;  // distinct threads seen
+};
+
+// One blocking step of kind i % 4: yield, sleep, a wake from a plain thread, sleep_until.
+void blocking_step(int i, Waker* waker) {
+  switch (i % 4) {
+    case 0: fiber::this_fiber::yield(); break;
+    case 1: fiber::this_fiber::sleep_for(30us); break;
+    case 2:
+      if (waker) waker->wait_for_thread(); else fiber::this_fiber::yield();
+      break;
+    default: fiber::this_fiber::sleep_until(Clock::now() + 10us); break;
+  }
+}
+
+bool index_matches_thread(const std::string& sched_name) {
+  return thread_name() == sched_name + "-P" + std::to_string(fiber::this_fiber::processor_index());
+}
+
+}  // namespace
+
+TEST_CASE("migration: fibers change threads, and thread_locals read through noinline calls follow") {
+  with_watchdog(60'000ms, "migration observation", [] {
+    fiber::Scheduler s({.processors = 4, .name = "mig"});
+    constexpr int kFibers = 4;
+    constexpr int kIters = 1200;
+    Waker waker(kFibers * kIters / 4 + 16);
+    Churn churn(s, 6);
+    std::vector<fiber::JoinHandle<Observed>> hs;
+    for (int f = 0; f < kFibers; ++f) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&waker] {
+        Observed o;
+        std::set<pid_t> seen;
+        pid_t prev = os_tid();
+        seen.insert(prev);
+        for (int i = 0; i < kIters; ++i) {
+          blocking_step(i, &waker);
+          const pid_t now = os_tid();
+          o.tls_mismatch += tls_tid() != now;
+          o.index_mismatch += !index_matches_thread("mig");
+          o.changes += now != prev;
+          seen.insert(now);
+          prev = now;
+          ++o.iterations;
+        }
+        o.threads = seen.size();
+        return o;
+      }));
+    }
+    int total_changes = 0;
+    for (auto& h : hs) {
+      const Observed o = h.join();
+      CHECK(o.iterations == kIters);
+      CHECK(o.tls_mismatch == 0);
+      CHECK(o.index_mismatch == 0);
+      CHECK(o.threads <= 4u);
+      total_changes += o.changes;
+      MESSAGE("fiber migrated " << o.changes << " times over " << o.threads << " threads");
+    }
+    CHECK_MESSAGE(total_changes > 0, "no fiber ever changed threads on a 4-processor scheduler");
+    churn.stop();
+    quiesce(s);
+  });
+}
+
+TEST_CASE("migration: errno survives switches and migrations, per fiber") {
+  with_watchdog(60'000ms, "errno", [] {
+    fiber::Scheduler s({.processors = 4, .name = "errno"});
+    constexpr int kFibers = 8;
+    constexpr int kIters = 800;
+    Waker waker(kFibers * kIters / 4 + 16);
+    Churn churn(s, 4);
+    struct Result {
+      int wrong = 0;
+      int first_wrong_value = 0;
+      int changes = 0;
+    };
+    std::vector<fiber::JoinHandle<Result>> hs;
+    for (int f = 0; f < kFibers; ++f) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&waker, f] {
+        Result r;
+        int mine = 1234 + 1000 * f;
+        set_errno(mine);
+        pid_t prev = os_tid();
+        for (int i = 0; i < kIters; ++i) {
+          blocking_step(i + f, &waker);
+          const int got = get_errno();
+          if (got != mine) {
+            if (r.wrong++ == 0) r.first_wrong_value = got;
+          }
+          const pid_t now = os_tid();
+          r.changes += now != prev;
+          prev = now;
+          if (i % 10 == 9) {  // a new value now and then: the latest one must survive
+            mine = 1234 + 1000 * f + i;
+            set_errno(mine);
+          }
+        }
+        return r;
+      }));
+    }
+    int changes = 0;
+    for (int f = 0; f < kFibers; ++f) {
+      const Result r = hs[f].join();
+      CHECK_MESSAGE(r.wrong == 0, "fiber " << f << ": errno wrong " << r.wrong << " times, first value "
+                                            << r.first_wrong_value);
+      changes += r.changes;
+    }
+    CHECK_MESSAGE(changes > 0, "no migration happened, so errno was never carried across threads");
+    churn.stop();
+    quiesce(s);
+  });
+}
+
+TEST_CASE("migration: PinGuard keeps a fiber on its processor; afterwards it migrates again") {
+  with_watchdog(90'000ms, "PinGuard", [] {
+    fiber::Scheduler s({.processors = 4, .name = "pin"});
+    constexpr int kPinned = 4;
+    constexpr int kSteps = 200;
+    Waker waker(kPinned * (kSteps / 4 + 2000) + 16);
+    Churn churn(s, 6);
+    struct Result {
+      int moved_while_pinned = 0;
+      int index_changed = 0;
+      int tls_mismatch = 0;
+      int name_mismatch = 0;
+      bool migrated_after = false;
+      int steps_until_migrated = 0;
+    };
+    std::vector<fiber::JoinHandle<Result>> hs;
+    for (int f = 0; f < kPinned; ++f) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&waker, f] {
+        Result r;
+        pid_t pinned_tid = 0;
+        {
+          fiber::this_fiber::PinGuard pin;
+          pinned_tid = os_tid();
+          const unsigned idx = fiber::this_fiber::processor_index();
+          for (int i = 0; i < kSteps; ++i) {
+            if (i % 25 == 0) {
+              fiber::this_fiber::PinGuard nested;  // nesting keeps the pin
+              fiber::this_fiber::yield();
+            } else {
+              blocking_step(i + f, &waker);
+            }
+            r.moved_while_pinned += os_tid() != pinned_tid;
+            r.index_changed += fiber::this_fiber::processor_index() != idx;
+            r.tls_mismatch += tls_tid() != os_tid();
+            r.name_mismatch += !index_matches_thread("pin");
+          }
+        }
+        // Unpinned: keep blocking until it resumes on another thread (bounded).
+        const auto deadline = Clock::now() + scaled(5'000ms);
+        for (int i = 0; Clock::now() < deadline; ++i) {
+          blocking_step(i, i % 4 == 2 && i < 2000 ? &waker : nullptr);
+          r.tls_mismatch += tls_tid() != os_tid();
+          if (os_tid() != pinned_tid) {
+            r.migrated_after = true;
+            r.steps_until_migrated = i + 1;
+            break;
+          }
+        }
+        return r;
+      }));
+    }
+    for (int f = 0; f < kPinned; ++f) {
+      const Result r = hs[f].join();
+      CAPTURE(f);
+      CHECK(r.moved_while_pinned == 0);
+      CHECK(r.index_changed == 0);
+      CHECK(r.tls_mismatch == 0);
+      CHECK(r.name_mismatch == 0);
+      CHECK_MESSAGE(r.migrated_after, "fiber " << f << " never left its processor after the PinGuard");
+      MESSAGE("fiber " << f << " migrated " << r.steps_until_migrated << " steps after unpinning");
+    }
+    churn.stop();
+    quiesce(s);
+  });
+}
+
+TEST_CASE("migration: PinGuard on a busy single fiber with only plain-thread wakes") {
+  // Every resume of the pinned fiber comes from the waker thread (inject -> any processor), so
+  // each one must be redirected to the pinned processor.
+  with_watchdog(60'000ms, "PinGuard wakes", [] {
+    fiber::Scheduler s({.processors = 4, .name = "pw"});
+    constexpr int kWakes = 300;
+    Waker waker(kWakes + 16);
+    Churn churn(s, 3);
+    auto moved = fiber::spawn({.scheduler = &s}, [&waker] {
+      fiber::this_fiber::PinGuard pin;
+      const pid_t t0 = os_tid();
+      int moved = 0;
+      for (int i = 0; i < kWakes; ++i) {
+        waker.wait_for_thread();
+        moved += os_tid() != t0;
+      }
+      return moved;
+    }).join();
+    CHECK(moved == 0);
+    churn.stop();
+    quiesce(s);
+  });
+}
+
+TEST_CASE("migration: waking pinned fibers from a plain thread does not stop idle processors from being woken") {
+  // A pinned fiber woken from outside goes to its processor's inbox, and that processor is woken
+  // directly. That path must keep the idle bookkeeping (who sleeps, who searches) balanced: if
+  // it does not, a later spawn from a plain thread may wake nobody and never run (a lost
+  // wakeup). The check is bounded; if the fiber is stranded, a pinned helper is woken the same
+  // way to rescue it, so the scheduler can still be stopped.
+  with_watchdog(60'000ms, "pinned wakes", [] {
+    fiber::Scheduler s({.processors = 4, .name = "pw2"});
+    constexpr int kWakes = 300;
+    auto wgs = std::make_unique<fiber::WaitGroup[]>(kWakes);
+    fiber::WaitGroup rescue;
+    rescue.add(1);
+    std::atomic<bool> helper_parked{false};
+    auto helper = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::this_fiber::PinGuard pin;
+      helper_parked = true;
+      rescue.wait();
+    });
+    REQUIRE(wait_for([&] { return helper_parked.load(); }));
+
+    std::atomic<int> parked_at{-1};
+    auto pinned = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::this_fiber::PinGuard pin;
+      for (int i = 0; i < kWakes; ++i) {
+        wgs[i].add(1);
+        parked_at = i;
+        wgs[i].wait();
+      }
+    });
+    for (int i = 0; i < kWakes; ++i) {
+      while (parked_at.load() < i) std::this_thread::yield();
+      std::this_thread::sleep_for(50us);  // it parks, its processor goes to sleep
+      wgs[i].done();
+    }
+    pinned.join();
+    std::this_thread::sleep_for(20ms);  // every processor idle again
+
+    std::atomic<bool> ran{false};
+    fiber::spawn({.scheduler = &s}, [&ran] { ran = true; }).detach();
+    const bool ran_in_time = wait_for([&] { return ran.load(); }, 3'000ms);
+    CHECK_MESSAGE(ran_in_time, "a fiber spawned from a plain thread after " << kWakes
+                                                                        << " wakes of a pinned fiber never ran: no "
+                                                                           "processor was woken for it");
+    rescue.done();  // wakes the pinned helper's processor, which also finds a stranded fiber
+    CHECK(wait_for([&] { return ran.load(); }, 10'000ms));
+    helper.join();
+    quiesce(s);
+  });
+}

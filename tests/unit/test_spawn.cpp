@@ -1,0 +1,599 @@
+// fiber::spawn, JoinHandle, `go` and the unhandled-exception handler (fiber/spawn.hpp).
+//
+//   1. Values through join: int, std::string, move-only, void; argument forwarding.
+//   2. Exceptions through join (type preserved).
+//   3. Misuse -> fiber::UsageError: join twice, detach+join, self-join, empty callables, stack
+//      sizes out of range.
+//   4. `go` with go_stack / go_name / go_on.
+//   5. Detached fibers' exceptions reach the handler (fiber::Cancelled does not).
+//   6. finished(), id(), joins from threads, fibers and other schedulers.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sched/fiber.hpp"      // current_fiber(): to read the stack size a fiber really got
+#include "sched/processor.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+
+struct TaggedError : std::runtime_error {
+  explicit TaggedError(int c) : std::runtime_error("tagged error " + std::to_string(c)), code(c) {}
+  int code;
+};
+
+struct MoveOnly {
+  explicit MoveOnly(int v) : p(std::make_unique<int>(v)) {}
+  std::unique_ptr<int> p;
+};
+
+}  // namespace
+
+TEST_CASE("spawn: join returns the fiber's value (int, string, move-only, void)") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto hi = fiber::spawn({.scheduler = &s}, [] { return 42; });
+    auto hs = fiber::spawn({.scheduler = &s}, [] { return std::string(1000, 'x') + "end"; });
+    auto hu = fiber::spawn({.scheduler = &s}, [] { return std::make_unique<int>(7); });
+    auto hm = fiber::spawn({.scheduler = &s}, [] { return MoveOnly(8); });
+    std::atomic<bool> ran{false};
+    auto hv = fiber::spawn({.scheduler = &s}, [&ran] { ran = true; });
+    static_assert(std::is_same_v<decltype(hv), fiber::JoinHandle<void>>);
+    static_assert(std::is_same_v<decltype(hu), fiber::JoinHandle<std::unique_ptr<int>>>);
+
+    CHECK(hi.join() == 42);
+    CHECK(hs.join() == std::string(1000, 'x') + "end");
+    std::unique_ptr<int> u = hu.join();
+    REQUIRE(u != nullptr);
+    CHECK(*u == 7);
+    MoveOnly m = hm.join();
+    REQUIRE(m.p != nullptr);
+    CHECK(*m.p == 8);
+    hv.join();
+    CHECK(ran.load());
+    CHECK_FALSE(hi.joinable());
+    CHECK_FALSE(hv.joinable());
+  });
+}
+
+TEST_CASE("spawn: arguments are forwarded (copied by value, moved when move-only)") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    // By value: the fiber has its own copy, later changes to the original do not reach it.
+    std::string text = "original";
+    fiber::WaitGroup gate;
+    gate.add(1);
+    auto h1 = fiber::spawn(
+        {.scheduler = &s},
+        [&gate](std::string t, int k) {
+          gate.wait();
+          return t + "/" + std::to_string(k);
+        },
+        text, 5);
+    text = "changed";
+    gate.done();
+    CHECK(h1.join() == "original/5");
+
+    // Move-only argument.
+    auto p = std::make_unique<int>(99);
+    int* raw = p.get();
+    auto h2 = fiber::spawn({.scheduler = &s}, [raw](std::unique_ptr<int> q) { return q.get() == raw && *q == 99; },
+                           std::move(p));
+    CHECK(p == nullptr);
+    CHECK(h2.join());
+
+    // An rvalue string is moved into the fiber (its buffer travels with it).
+    std::string big(4096, 'b');
+    const char* buf = big.data();
+    auto h3 = fiber::spawn({.scheduler = &s}, [buf](std::string x) { return x.data() == buf && x.size() == 4096; },
+                           std::move(big));
+    CHECK(h3.join());
+
+    // A function pointer with arguments, and the default-options overload from a plain thread
+    // (default scheduler) - the only use of the global scheduler in this file.
+    int (*add)(int, int) = [](int a, int b) { return a + b; };
+    CHECK(fiber::spawn({.scheduler = &s}, add, 2, 3).join() == 5);
+  });
+  CHECK(fiber::spawn([](int a) { return a * 2; }, 21).join() == 42);
+}
+
+TEST_CASE("spawn: join rethrows the fiber's exception with its type") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto h = fiber::spawn({.scheduler = &s}, []() -> int { throw TaggedError(17); });
+    try {
+      (void)h.join();
+      FAIL_CHECK("join did not throw");
+    } catch (const TaggedError& e) {
+      CHECK(e.code == 17);
+      CHECK(std::string(e.what()) == "tagged error 17");
+    } catch (...) {
+      FAIL_CHECK("join threw something other than TaggedError");
+    }
+    CHECK_FALSE(h.joinable());
+
+    // Thrown after blocking (the fiber may have migrated), and a non-std exception type.
+    auto h2 = fiber::spawn({.scheduler = &s}, [] {
+      fiber::this_fiber::sleep_for(2ms);
+      throw 1234;
+    });
+    CHECK_THROWS_AS(h2.join(), int);
+
+    auto h3 = fiber::spawn({.scheduler = &s}, [] {
+      fiber::this_fiber::yield();
+      throw std::out_of_range("oor");
+    });
+    CHECK_THROWS_WITH_AS(h3.join(), "oor", std::out_of_range);
+  });
+}
+
+TEST_CASE("spawn: joining twice is a UsageError that says the handle was already joined") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto h = fiber::spawn({.scheduler = &s}, [] { return 1; });
+    CHECK(h.join() == 1);
+    try {
+      (void)h.join();
+      FAIL_CHECK("second join did not throw");
+    } catch (const fiber::UsageError& e) {
+      CHECK_MESSAGE(contains(e.what(), "already joined"), "message: " << e.what());
+    }
+    CHECK_THROWS_AS(h.detach(), fiber::UsageError);
+
+    // Also when the first join rethrew.
+    auto h2 = fiber::spawn({.scheduler = &s}, [] { throw TaggedError(1); });
+    CHECK_THROWS_AS(h2.join(), TaggedError);
+    CHECK_THROWS_AS(h2.join(), fiber::UsageError);
+  });
+}
+
+TEST_CASE("spawn: detach then join (or detach twice) is a UsageError") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto h = fiber::spawn({.scheduler = &s}, [] { return 1; });
+    h.detach();
+    CHECK_FALSE(h.joinable());
+    CHECK(h.id() == 0);
+    CHECK_FALSE(h.finished());
+    CHECK_THROWS_AS(h.join(), fiber::UsageError);
+    CHECK_THROWS_AS(h.detach(), fiber::UsageError);
+
+    // A moved-from handle is empty too.
+    auto a = fiber::spawn({.scheduler = &s}, [] { return 2; });
+    auto b = std::move(a);
+    CHECK_THROWS_AS(a.join(), fiber::UsageError);  // NOLINT(bugprone-use-after-move)
+    CHECK(b.join() == 2);
+
+    // A default-constructed handle.
+    fiber::JoinHandle<int> empty;
+    CHECK_FALSE(empty.joinable());
+    CHECK_THROWS_AS(empty.join(), fiber::UsageError);
+    quiesce(s);  // the detached fiber
+  });
+}
+
+TEST_CASE("spawn: a fiber joining itself is a UsageError") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::WaitGroup ready;
+    ready.add(1);
+    fiber::JoinHandle<std::string> h;
+    h = fiber::spawn({.scheduler = &s}, [&]() -> std::string {
+      ready.wait();  // until `h` is assigned
+      try {
+        h.join();
+        return "no exception";
+      } catch (const fiber::UsageError& e) {
+        return e.what();
+      }
+    });
+    ready.done();
+    const std::string what = h.join();  // the failed self-join left the handle intact
+    CHECK_MESSAGE(contains(what, "itself"), "self-join gave: " << what);
+  });
+}
+
+TEST_CASE("spawn: an empty callable is a UsageError") {
+  fiber::Scheduler s({.processors = 2, .name = "t"});
+  void (*null_fn)() = nullptr;
+  int (*null_fn_args)(int) = nullptr;
+  std::function<int()> empty_fn;
+  std::function<void(int)> empty_fn_args;
+
+  CHECK_THROWS_AS(fiber::spawn({.scheduler = &s}, null_fn), fiber::UsageError);
+  CHECK_THROWS_AS(fiber::spawn({.scheduler = &s}, null_fn_args, 1), fiber::UsageError);
+  CHECK_THROWS_AS(fiber::spawn({.scheduler = &s}, empty_fn), fiber::UsageError);
+  CHECK_THROWS_AS(fiber::spawn({.scheduler = &s}, empty_fn_args, 1), fiber::UsageError);
+  CHECK_THROWS_AS(fiber::block_on({.scheduler = &s}, empty_fn), fiber::UsageError);
+  auto go_empty = [&] { go go_on(s) empty_fn; };
+  CHECK_THROWS_AS(go_empty(), fiber::UsageError);
+  try {
+    fiber::spawn({.scheduler = &s}, empty_fn);
+  } catch (const fiber::UsageError& e) {
+    CHECK_MESSAGE(contains(e.what(), "empty"), "message: " << e.what());
+  }
+  // From inside a fiber as well; nothing was left behind.
+  CHECK(fiber::block_on({.scheduler = &s}, [&] {
+    try {
+      fiber::spawn(empty_fn);
+      return false;
+    } catch (const fiber::UsageError&) {
+      return true;
+    }
+  }));
+  // A non-empty std::function runs.
+  std::function<int()> fn = [] { return 3; };
+  CHECK(fiber::spawn({.scheduler = &s}, fn).join() == 3);
+  CHECK(s.live_fibers() == 0);
+}
+
+TEST_CASE("spawn: stack sizes out of range are a UsageError; the minimum works") {
+  fiber::Scheduler s({.processors = 2, .name = "t"});
+  for (std::size_t bad : {std::size_t{1}, std::size_t{1000}, std::size_t{2047}}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(fiber::spawn({.stack_size = bad, .scheduler = &s}, [] {}), fiber::UsageError);
+    auto go_small = [&] { go go_on(s) go_stack(bad)[] {}; };
+    CHECK_THROWS_AS(go_small(), fiber::UsageError);
+  }
+  try {
+    fiber::spawn({.stack_size = 100, .scheduler = &s}, [] {});
+    FAIL_CHECK("no exception");
+  } catch (const fiber::UsageError& e) {
+    CHECK_MESSAGE(contains(e.what(), "stack size"), "message: " << e.what());
+  }
+  CHECK_THROWS_AS(fiber::spawn({.stack_size = (std::size_t{1} << 30) + 1, .scheduler = &s}, [] {}),
+                  fiber::UsageError);
+  CHECK(s.live_fibers() == 0);
+
+  // 2048 (compact, no guard page) and a few odd sizes run trivial code. Not under sanitizers:
+  // their runtime checks (UBSan's dynamic type check at the task's virtual call, ASan's
+  // reports) need far more than a compact stack offers.
+  if (!kSanitized) {
+    CHECK(fiber::spawn({.stack_size = fiber::compact_stack_size, .scheduler = &s}, [] { return 5; }).join() == 5);
+    CHECK(fiber::spawn({.stack_size = 3000, .scheduler = &s}, [] { return 6; }).join() == 6);
+  }
+  CHECK(fiber::spawn({.stack_size = 16 << 10, .scheduler = &s}, [] { return 7; }).join() == 7);
+}
+
+TEST_CASE("go: go_stack, go_name and go_on are applied") {
+  fiber::Scheduler s({.processors = 2, .name = "t"});
+  fiber::Scheduler s2({.processors = 3, .name = "gosched"});
+
+  struct Seen {
+    std::string name;
+    std::string thread;
+    unsigned index = ~0u;
+    std::size_t stack = 0;
+    bool big_frame_ok = false;
+  };
+  Seen a, b, c;
+  fiber::WaitGroup wg;
+  wg.add(3);
+
+  // From a plain thread, with all three options.
+  go go_on(s2) go_name("go-fiber") go_stack(512 << 10)[&] {
+    a.name = std::string(fiber::this_fiber::name());
+    a.thread = thread_name();
+    a.index = fiber::this_fiber::processor_index();
+    a.stack = fiber::detail::current_fiber()->stack.size;
+    // Deeper than the default 64 KiB stack: only fine if go_stack took effect.
+    volatile char frame[256 << 10];
+    for (std::size_t i = 0; i < sizeof frame; i += 4096) frame[i] = 1;
+    a.big_frame_ok = frame[0] == 1;
+    wg.done();
+  };
+
+  // From a fiber of `s`: go_on(s2) leaves s, plain `go` stays on s.
+  fiber::block_on({.scheduler = &s}, [&] {
+    go go_on(s2) go_name("hop")[&] {
+      b.name = std::string(fiber::this_fiber::name());
+      b.thread = thread_name();
+      b.index = fiber::this_fiber::processor_index();
+      wg.done();
+    };
+    go[&] {
+      c.name = std::string(fiber::this_fiber::name());
+      c.thread = thread_name();
+      c.index = fiber::this_fiber::processor_index();
+      c.stack = fiber::detail::current_fiber()->stack.size;
+      wg.done();
+    };
+  });
+  {
+    Watchdog wd(10'000ms, "go fibers");
+    wg.wait();
+  }
+  quiesce(s2);
+
+  CHECK(a.name == "go-fiber");
+  CHECK(a.index < s2.processors());
+  CHECK_MESSAGE(a.thread.rfind("gosched-P", 0) == 0, "ran on thread " << a.thread);
+  CHECK(a.thread == "gosched-P" + std::to_string(a.index));
+  CHECK(a.stack == (512u << 10));
+  CHECK(a.big_frame_ok);
+
+  CHECK(b.name == "hop");
+  CHECK(b.index < s2.processors());
+  CHECK_MESSAGE(b.thread.rfind("gosched-P", 0) == 0, "ran on thread " << b.thread);
+
+  CHECK(c.name == "");
+  CHECK(c.index < s.processors());
+  CHECK_MESSAGE(c.thread.rfind("t-P", 0) == 0, "ran on thread " << c.thread);
+  CHECK(c.stack == 64u << 10);  // the default
+}
+
+TEST_CASE("spawn: name and scheduler options of fiber::spawn") {
+  fiber::Scheduler s({.processors = 4, .name = "named"});
+  auto h = fiber::spawn({.scheduler = &s, .name = "worker-7"}, [&] {
+    return std::make_pair(std::string(fiber::this_fiber::name()), fiber::this_fiber::processor_index());
+  });
+  auto [name, index] = h.join();
+  CHECK(name == "worker-7");
+  CHECK(index < s.processors());
+
+  // The name is copied: the caller's buffer may change right after spawn.
+  std::string buf = "first";
+  fiber::WaitGroup gate;
+  gate.add(1);
+  auto h2 = fiber::spawn({.scheduler = &s, .name = buf}, [&gate] {
+    gate.wait();
+    return std::string(fiber::this_fiber::name());
+  });
+  buf = "XXXXXXXXXXXXXXX";
+  gate.done();
+  CHECK(h2.join() == "first");
+}
+
+// ------------------------------------------------------------------------------ unhandled
+
+namespace {
+
+struct Report {
+  unsigned long long id;
+  std::string name;
+  std::string message;
+};
+std::mutex g_reports_mu;
+std::vector<Report> g_reports;  // GUARDED_BY(g_reports_mu)
+
+void recording_handler(const fiber::UnhandledException& e) {
+  std::string msg = "<not a std::exception>";
+  try {
+    std::rethrow_exception(e.error);
+  } catch (const std::exception& ex) {
+    msg = ex.what();
+  } catch (...) {
+  }
+  std::lock_guard lock(g_reports_mu);
+  g_reports.push_back(Report{e.fiber_id, std::string(e.fiber_name), msg});
+}
+
+std::size_t report_count() {
+  std::lock_guard lock(g_reports_mu);
+  return g_reports.size();
+}
+
+std::vector<Report> take_reports() {
+  std::lock_guard lock(g_reports_mu);
+  return std::exchange(g_reports, {});
+}
+
+struct HandlerScope {
+  fiber::UnhandledExceptionHandler previous;
+  HandlerScope() : previous(fiber::set_unhandled_exception_handler(&recording_handler)) { take_reports(); }
+  ~HandlerScope() { fiber::set_unhandled_exception_handler(previous); }
+};
+
+}  // namespace
+
+TEST_CASE("spawn: an exception escaping a detached fiber reaches the unhandled-exception handler") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    HandlerScope scope;
+    CHECK((fiber::set_unhandled_exception_handler(&recording_handler) == &recording_handler));
+
+    // 1. Detached while still running; throws later.
+    unsigned long long id1 = 0;
+    {
+      auto h = fiber::spawn({.scheduler = &s, .name = "late-thrower"}, [] {
+        fiber::this_fiber::sleep_for(5ms);
+        throw std::runtime_error("boom-1");
+      });
+      id1 = h.id();
+      h.detach();
+    }
+    CHECK(wait_for([] { return report_count() > 0; }));
+    quiesce(s);
+    auto r = take_reports();
+    REQUIRE(r.size() == 1);
+    CHECK(r[0].id == id1);
+    CHECK(r[0].name == "late-thrower");
+    CHECK(r[0].message == "boom-1");
+
+    // 2. Finished (with an exception) before the handle is dropped: reported at detach.
+    unsigned long long id2 = 0;
+    {
+      auto h = fiber::spawn({.scheduler = &s}, [] { throw std::logic_error("boom-2"); });
+      id2 = h.id();
+      CHECK(wait_for([&] { return h.finished(); }));
+      CHECK(take_reports().empty());  // not yet: the handle could still join
+    }  // ~JoinHandle detaches
+    r = take_reports();
+    REQUIRE(r.size() == 1);
+    CHECK(r[0].id == id2);
+    CHECK(r[0].name == "");
+    CHECK(r[0].message == "boom-2");
+
+    // 3. A `go` fiber never had a handle; its id is what this_fiber::id() said inside.
+    std::atomic<unsigned long long> id3{0};
+    go go_on(s) go_name("go-thrower")[&id3] {
+      id3 = fiber::this_fiber::id();
+      throw TaggedError(3);
+    };
+    CHECK(wait_for([] { return report_count() > 0; }));
+    quiesce(s);
+    r = take_reports();
+    REQUIRE(r.size() == 1);
+    CHECK(r[0].id == id3.load());
+    CHECK(r[0].name == "go-thrower");
+    CHECK(r[0].message == "tagged error 3");
+
+    // 4. Not reported: fiber::Cancelled escaping (thrown explicitly, or from a cancelled sleep),
+    //    and exceptions that were observed through join.
+    go go_on(s)[] { throw fiber::Cancelled(); };
+    fiber::spawn({.scheduler = &s}, [] { throw fiber::Cancelled("custom cancel"); }).detach();
+    {
+      auto h = fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::sleep_for(std::chrono::hours(1)); });
+      h.cancel();
+      h.detach();
+    }
+    {
+      auto h = fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::sleep_for(std::chrono::hours(1)); });
+      fiber::this_fiber::sleep_for(2ms);
+      h.detach();
+      // Cancel it through stop-like means is not available for one fiber without a handle; the
+      // scheduler's destructor (stop) cancels it below, which must not be reported either.
+    }
+    auto joined = fiber::spawn({.scheduler = &s}, [] { throw std::runtime_error("observed"); });
+    CHECK_THROWS_AS(joined.join(), std::runtime_error);
+    // Detached fibers whose exceptions are caught inside do not report anything.
+    go go_on(s)[] {
+      try {
+        throw std::runtime_error("caught");
+      } catch (const std::exception&) {
+      }
+    };
+    CHECK(wait_for([&] { return s.live_fibers() == 1; }));  // only the hour-long sleeper is left
+    s.stop();  // cancels the sleeper: Cancelled escapes a detached fiber, not reported
+    CHECK(s.live_fibers() == 0);
+    r = take_reports();
+    CHECK_MESSAGE(r.empty(), r.size() << " unexpected report(s), first: " << (r.empty() ? "" : r[0].message));
+  });
+}
+
+TEST_CASE("spawn: set_unhandled_exception_handler returns the previous handler; nullptr restores the default") {
+  auto original = fiber::set_unhandled_exception_handler(&recording_handler);
+  CHECK((original != nullptr));
+  CHECK((fiber::set_unhandled_exception_handler(nullptr) == &recording_handler));
+  // nullptr installed the default, which is not our handler.
+  auto def = fiber::set_unhandled_exception_handler(original);
+  CHECK((def != nullptr));
+  CHECK((def != &recording_handler));
+}
+
+// ------------------------------------------------------------------------------ handles
+
+TEST_CASE("JoinHandle: finished() and id()") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::WaitGroup gate;
+    gate.add(1);
+    std::atomic<unsigned long long> inside{0};
+    auto h = fiber::spawn({.scheduler = &s}, [&] {
+      inside = fiber::this_fiber::id();
+      gate.wait();
+      return 11;
+    });
+    CHECK(h.joinable());
+    CHECK(h.id() != 0);
+    CHECK(wait_for([&] { return inside.load() != 0; }));
+    CHECK(inside.load() == h.id());
+    fiber::this_fiber::sleep_for(2ms);
+    CHECK_FALSE(h.finished());  // parked on the gate
+    gate.done();
+    CHECK(wait_for([&] { return h.finished(); }));
+    CHECK(h.finished());
+    CHECK(h.joinable());
+    CHECK(h.join() == 11);
+    CHECK_FALSE(h.finished());  // empty now
+    CHECK(h.id() == 0);
+  });
+}
+
+TEST_CASE("JoinHandle: join from a plain thread, from a fiber, and across schedulers") {
+  for_each_proc_count([](fiber::Scheduler& s, int n) {
+    fiber::Scheduler other({.processors = static_cast<std::size_t>(n == 1 ? 2 : 1), .name = "other"});
+
+    // From a plain thread other than main, of a fiber that is still sleeping.
+    auto h1 = fiber::spawn({.scheduler = &s}, [] {
+      fiber::this_fiber::sleep_for(10ms);
+      return std::string("from-thread");
+    });
+    std::string got;
+    run_on_thread([&] { got = h1.join(); });
+    CHECK(got == "from-thread");
+
+    // From a fiber of the same scheduler: many joiners, each of its own sleeping target.
+    auto total = fiber::block_on({.scheduler = &s}, [] {
+      std::vector<fiber::JoinHandle<int>> hs;
+      for (int i = 0; i < 50; ++i) {
+        hs.push_back(fiber::spawn([i] {
+          fiber::this_fiber::sleep_for(std::chrono::microseconds(100 * (i % 7)));
+          return i;
+        }));
+      }
+      int sum = 0;
+      for (auto& h : hs) sum += h.join();
+      return sum;
+    });
+    CHECK(total == 50 * 49 / 2);
+
+    // A fiber of `s` joins a fiber of `other`, and the reverse; the target is still running.
+    auto on_other = fiber::spawn({.scheduler = &other}, [] {
+      fiber::this_fiber::sleep_for(10ms);
+      return std::string(thread_name());
+    });
+    auto joiner = fiber::spawn({.scheduler = &s}, [&on_other] { return on_other.join(); });
+    const std::string other_thread = joiner.join();
+    CHECK_MESSAGE(other_thread.rfind("other-P", 0) == 0, "target ran on " << other_thread);
+
+    auto on_s = fiber::spawn({.scheduler = &s}, [] {
+      fiber::this_fiber::sleep_for(10ms);
+      return std::string(thread_name());
+    });
+    auto joiner2 = fiber::spawn({.scheduler = &other}, [&on_s] {
+      auto v = on_s.join();
+      return std::make_pair(v, std::string(thread_name()));
+    });
+    auto [target_thread, joiner_thread] = joiner2.join();
+    CHECK_MESSAGE(target_thread.rfind("t-P", 0) == 0, "target ran on " << target_thread);
+    CHECK_MESSAGE(joiner_thread.rfind("other-P", 0) == 0, "joiner ran on " << joiner_thread);
+
+    // A fiber joining a fiber that already finished does not park.
+    auto quick = fiber::spawn({.scheduler = &other}, [] { return 5; });
+    CHECK(wait_for([&] { return quick.finished(); }));
+    CHECK(fiber::spawn({.scheduler = &s}, [&quick] { return quick.join(); }).join() == 5);
+    CHECK(other.live_fibers() == 0);
+  });
+}
+
+TEST_CASE("spawn: fiber ids are unique and match the handles") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kFibers = 2000;
+    std::vector<fiber::JoinHandle<unsigned long long>> hs;
+    hs.reserve(kFibers);
+    // Half spawned from a plain thread, half from inside fibers (per-processor id blocks).
+    for (int i = 0; i < kFibers / 2; ++i) hs.push_back(fiber::spawn({.scheduler = &s}, [] { return fiber::this_fiber::id(); }));
+    auto inner = fiber::block_on({.scheduler = &s}, [] {
+      std::vector<fiber::JoinHandle<unsigned long long>> v;
+      for (int i = 0; i < kFibers / 2; ++i) v.push_back(fiber::spawn([] { return fiber::this_fiber::id(); }));
+      return v;
+    });
+    for (auto& h : inner) hs.push_back(std::move(h));
+    std::set<unsigned long long> ids;
+    int mismatches = 0;
+    for (auto& h : hs) {
+      const auto expected = h.id();
+      const auto got = h.join();
+      mismatches += got != expected;
+      ids.insert(got);
+    }
+    CHECK(mismatches == 0);
+    CHECK(ids.size() == static_cast<std::size_t>(kFibers));
+    CHECK(ids.count(0) == 0);
+  });
+}

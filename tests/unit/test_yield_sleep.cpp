@@ -1,0 +1,242 @@
+// this_fiber: yield, sleep_for/sleep_until, id, name, processor_index, PinGuard - in fibers and
+// from plain threads (fiber/this_fiber.hpp).
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+using namespace fiber_test;
+using namespace std::chrono_literals;
+}  // namespace
+
+TEST_CASE("yield: from a plain thread is std::this_thread::yield") {
+  CHECK_FALSE(fiber::this_fiber::in_fiber());
+  CHECK_NOTHROW(fiber::this_fiber::yield());
+  for (int i = 0; i < 100; ++i) fiber::this_fiber::yield();
+  run_on_thread([] { CHECK_NOTHROW(fiber::this_fiber::yield()); });
+}
+
+TEST_CASE("yield: two fibers on one processor alternate strictly") {
+  fiber::Scheduler s({.processors = 1, .name = "t"});
+  constexpr int kRounds = 500;
+  std::mutex mu;
+  std::vector<char> order;
+  std::atomic<int> started{0};
+  auto body = [&](char me) {
+    // Both must be running before the recording starts: a fiber yielding while nothing else is
+    // runnable simply continues.
+    started.fetch_add(1);
+    while (started.load() < 2) fiber::this_fiber::yield();
+    for (int i = 0; i < kRounds; ++i) {
+      {
+        std::lock_guard lock(mu);
+        order.push_back(me);
+      }
+      fiber::this_fiber::yield();
+    }
+  };
+  auto a = fiber::spawn({.scheduler = &s}, body, 'A');
+  auto b = fiber::spawn({.scheduler = &s}, body, 'B');
+  with_watchdog(20'000ms, "alternation", [&] {
+    a.join();
+    b.join();
+  });
+  REQUIRE(order.size() == 2 * kRounds);
+  int breaks = 0;
+  std::size_t first_break = 0;
+  for (std::size_t i = 1; i < order.size(); ++i) {
+    if (order[i] == order[i - 1]) {
+      if (breaks++ == 0) first_break = i;
+    }
+  }
+  CHECK_MESSAGE(breaks == 0, breaks << " places where a fiber ran twice in a row, first at index " << first_break);
+  CHECK(s.live_fibers() == 0);
+}
+
+TEST_CASE("yield: a fiber yielding in a loop does not starve the others (1 processor)") {
+  fiber::Scheduler s({.processors = 1, .name = "t"});
+  std::atomic<bool> stop{false};
+  auto spinner = fiber::spawn({.scheduler = &s}, [&] {
+    long n = 0;
+    while (!stop.load()) {
+      fiber::this_fiber::yield();
+      ++n;
+    }
+    return n;
+  });
+  // Sleeping and newly spawned fibers still get to run.
+  auto sleeper = fiber::spawn({.scheduler = &s}, [] {
+    for (int i = 0; i < 5; ++i) fiber::this_fiber::sleep_for(1ms);
+    return 1;
+  });
+  with_watchdog(20'000ms, "yield starvation", [&] {
+    CHECK(sleeper.join() == 1);
+    for (int i = 0; i < 20; ++i) CHECK(fiber::spawn({.scheduler = &s}, [i] { return i; }).join() == i);
+    stop = true;
+    CHECK(spinner.join() > 0);
+  });
+}
+
+TEST_CASE("sleep: fibers wake in deadline order (30, 10, 20 ms)") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    std::mutex mu;
+    std::vector<int> woke;
+    bool early = false;
+    const auto base = Clock::now();
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int ms : {30, 10, 20}) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&, ms] {
+        const auto deadline = base + std::chrono::milliseconds(ms);
+        fiber::this_fiber::sleep_until(deadline);
+        const bool too_early = Clock::now() < deadline;
+        std::lock_guard lock(mu);
+        woke.push_back(ms);
+        early |= too_early;
+      }));
+    }
+    for (auto& h : hs) h.join();
+    CHECK(woke == std::vector<int>{10, 20, 30});
+    CHECK_FALSE(early);
+
+    // Same with sleep_for: relative to when each fiber starts, so space them generously.
+    woke.clear();
+    hs.clear();
+    for (int ms : {90, 30, 60, 0, 45}) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&, ms] {
+        const auto start = Clock::now();
+        fiber::this_fiber::sleep_for(std::chrono::milliseconds(ms));
+        const bool too_early = Clock::now() - start < std::chrono::milliseconds(ms);
+        std::lock_guard lock(mu);
+        woke.push_back(ms);
+        early |= too_early;
+      }));
+    }
+    for (auto& h : hs) h.join();
+    CHECK(woke == std::vector<int>{0, 30, 45, 60, 90});
+    CHECK_FALSE(early);
+  });
+}
+
+TEST_CASE("sleep: many fibers with staggered deadlines all wake, none early") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kFibers = 200;
+    std::atomic<int> early{0};
+    std::atomic<int> done{0};
+    const auto base = Clock::now() + 5ms;
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int i = 0; i < kFibers; ++i) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&, i] {
+        // Several sleeps each, so timers are added on whichever processor the fiber is on now.
+        for (int k = 0; k < 3; ++k) {
+          const auto deadline = base + std::chrono::microseconds(100 * ((i * 7 + k * 13) % 97)) + k * 5ms;
+          fiber::this_fiber::sleep_until(deadline);
+          if (Clock::now() < deadline) early.fetch_add(1);
+        }
+        done.fetch_add(1);
+      }));
+    }
+    for (auto& h : hs) h.join();
+    CHECK(done.load() == kFibers);
+    CHECK(early.load() == 0);
+  });
+}
+
+TEST_CASE("sleep: zero, negative and past deadlines return at once") {
+  // Plain thread.
+  auto t0 = Clock::now();
+  fiber::this_fiber::sleep_for(0ms);
+  fiber::this_fiber::sleep_for(-5ms);
+  fiber::this_fiber::sleep_for(std::chrono::seconds(-3));
+  fiber::this_fiber::sleep_until(Clock::now() - 1s);
+  fiber::this_fiber::sleep_until(Clock::time_point{});
+  CHECK(Clock::now() - t0 < 1s);
+
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto elapsed = fiber::spawn({.scheduler = &s}, [] {
+      const auto start = Clock::now();
+      for (int i = 0; i < 100; ++i) {
+        fiber::this_fiber::sleep_for(0ms);
+        fiber::this_fiber::sleep_for(-1ms);
+        fiber::this_fiber::sleep_for(std::chrono::nanoseconds(-1));
+        fiber::this_fiber::sleep_until(Clock::now() - 10ms);
+        fiber::this_fiber::sleep_until(Clock::time_point{});
+      }
+      return Clock::now() - start;
+    }).join();
+    CHECK(elapsed < 1s);
+    // A short positive sleep really sleeps.
+    auto slept = fiber::spawn({.scheduler = &s}, [] {
+      const auto start = Clock::now();
+      fiber::this_fiber::sleep_for(5ms);
+      return Clock::now() - start;
+    }).join();
+    CHECK(slept >= 5ms);
+  });
+}
+
+TEST_CASE("this_fiber::id: nonzero and unique in fibers, 0 on a plain thread") {
+  CHECK(fiber::this_fiber::id() == 0);
+  run_on_thread([] { CHECK(fiber::this_fiber::id() == 0); });
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kFibers = 500;
+    std::vector<fiber::JoinHandle<std::pair<unsigned long long, unsigned long long>>> hs;
+    for (int i = 0; i < kFibers; ++i) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [] {
+        const auto before = fiber::this_fiber::id();
+        fiber::this_fiber::sleep_for(100us);  // the id follows the fiber, not the thread
+        fiber::this_fiber::yield();
+        return std::make_pair(before, fiber::this_fiber::id());
+      }));
+    }
+    std::set<unsigned long long> ids;
+    int unstable = 0;
+    int zero = 0;
+    for (auto& h : hs) {
+      const auto expected = h.id();
+      auto [a, b] = h.join();
+      unstable += (a != b) || (a != expected);
+      zero += a == 0;
+      ids.insert(a);
+    }
+    CHECK(unstable == 0);
+    CHECK(zero == 0);
+    CHECK(ids.size() == static_cast<std::size_t>(kFibers));
+  });
+}
+
+TEST_CASE("this_fiber: in_fiber, name, processor_index and PinGuard from a plain thread") {
+  auto check_plain = [] {
+    CHECK_FALSE(fiber::this_fiber::in_fiber());
+    CHECK_THROWS_AS(fiber::this_fiber::name(), fiber::UsageError);
+    CHECK_THROWS_AS(fiber::this_fiber::processor_index(), fiber::UsageError);
+    CHECK_THROWS_AS(fiber::this_fiber::PinGuard(), fiber::UsageError);
+    try {
+      (void)fiber::this_fiber::name();
+    } catch (const fiber::UsageError& e) {
+      CHECK_MESSAGE(contains(e.what(), "plain thread"), "message: " << e.what());
+    }
+  };
+  check_plain();
+  run_on_thread(check_plain);
+
+  fiber::Scheduler s({.processors = 2, .name = "t"});
+  auto r = fiber::spawn({.scheduler = &s}, [] {
+    const bool in = fiber::this_fiber::in_fiber();
+    const std::string name(fiber::this_fiber::name());
+    const unsigned idx = fiber::this_fiber::processor_index();
+    { fiber::this_fiber::PinGuard pin; }
+    return std::make_tuple(in, name, idx);
+  }).join();
+  CHECK(std::get<0>(r));
+  CHECK(std::get<1>(r) == "");  // unnamed
+  CHECK(std::get<2>(r) < 2u);
+}
