@@ -14,82 +14,13 @@
 #include <thread>
 #include <vector>
 
+#include "team.hpp"
 #include "test_util.hpp"
 
 namespace {
 
 using namespace fiber_test;
 using namespace std::chrono_literals;
-
-enum class Where { fiber, thread };
-
-class Team {
- public:
-  Team() = default;
-  Team(const Team&) = delete;
-  Team& operator=(const Team&) = delete;
-  ~Team() {
-    try {
-      join();
-    } catch (...) {
-    }
-  }
-  template <typename F>
-  void spawn(Where w, fiber::Scheduler& s, F f) {
-    if (w == Where::fiber) {
-      fibers_.push_back(fiber::spawn({.scheduler = &s}, std::move(f)));
-    } else {
-      threads_.emplace_back([this, f = std::move(f)]() mutable {
-        try {
-          f();
-        } catch (...) {
-          std::lock_guard lock(mu_);
-          if (!error_) error_ = std::current_exception();
-        }
-      });
-    }
-  }
-  void join() {
-    for (auto& h : fibers_) {
-      try {
-        h.join();
-      } catch (...) {
-        std::lock_guard lock(mu_);
-        if (!error_) error_ = std::current_exception();
-      }
-    }
-    for (auto& t : threads_) t.join();
-    fibers_.clear();
-    threads_.clear();
-    std::exception_ptr e;
-    {
-      std::lock_guard lock(mu_);
-      e = std::exchange(error_, nullptr);
-    }
-    if (e) std::rethrow_exception(e);
-  }
-
- private:
-  std::vector<fiber::JoinHandle<void>> fibers_;
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::exception_ptr error_;
-};
-
-// Spawns body on s; join() returns true iff body ended by throwing fiber::Cancelled. The fiber
-// catches it itself, so the exception object never crosses threads through an exception_ptr
-// (which TSan cannot follow: libstdc++'s refcount is not instrumented).
-template <typename F>
-fiber::JoinHandle<bool> spawn_cancellable(fiber::Scheduler& s, F body) {
-  return fiber::spawn({.scheduler = &s}, [body = std::move(body)]() mutable {
-    try {
-      body();
-    } catch (const fiber::Cancelled&) {
-      return true;
-    }
-    return false;
-  });
-}
 
 }  // namespace
 
