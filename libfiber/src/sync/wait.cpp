@@ -92,6 +92,10 @@ void waiter_prepare(Waiter& w) noexcept {
     w.state.store(kPending, std::memory_order_relaxed);
     return;
   }
+  // Parking first: once the new (gen, Pending) word is published a waker (or a cancel) may claim
+  // it and unpark us at once, and unpark requires Parking or Parked. The CAS below is a release,
+  // so whoever reads the new word also sees this store.
+  f->state.store(FiberState::Parking, std::memory_order_relaxed);
   // Only this fiber changes the generation; wakers only set the reason or the cancel bit, so
   // the CAS loop keeps a concurrent cancel.
   uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
@@ -101,7 +105,6 @@ void waiter_prepare(Waiter& w) noexcept {
     next = WakeWord{ww.gen + 1, ww.cancelled, WakeReason::Pending};
   } while (!f->wake_word.compare_exchange_weak(cur, next.pack(), std::memory_order_acq_rel));
   w.gen = next.gen;
-  f->state.store(FiberState::Parking, std::memory_order_release);
 }
 
 bool waiter_claim(Waiter& w, WakeReason reason) noexcept {

@@ -11,6 +11,8 @@
 // lives in the record itself.
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -118,7 +120,15 @@ class SpinLock {
   void lock() noexcept {
     for (;;) {
       if (!locked_.exchange(true, std::memory_order_acquire)) return;
-      while (locked_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
+      // Spin briefly; past that the holder was probably preempted (more threads than cores):
+      // give it the CPU rather than burn our time slice.
+      for (int spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
+        if (spins < 128) {
+          __builtin_ia32_pause();
+        } else {
+          sched_yield();
+        }
+      }
     }
   }
   bool try_lock() noexcept {
