@@ -66,6 +66,8 @@ class LocalQueue {
     // Slot contents. Atomic (relaxed) only so that the race checker and the model test see
     // every access; ordering comes from head and tail.
     alignas(64) std::atomic<T*> buffer[Capacity];
+    // Used only by the owner's push_overflow, to hand half the ring to the overflow.
+    T* overflow_scratch[Capacity / 2 + 1];
 
     Inner() {
       for (auto& slot : buffer) slot.store(nullptr, std::memory_order_relaxed);
@@ -244,7 +246,9 @@ class LocalQueue {
                                               std::memory_order_relaxed)) {
       return false;
     }
-    T* batch[n + 1];
+    // Owner-only scratch space, not a local array: this runs on fiber stacks, which may be
+    // compact (2 KiB, no guard page).
+    T** batch = inner_->overflow_scratch;
     for (uint32_t i = 0; i < n; ++i) batch[i] = inner_->buffer[(head + i) & kMask].load(std::memory_order_relaxed);
     batch[n] = task;
     overflow.push_batch(batch, n + 1);  // noexcept (checked in push_back_or_overflow)

@@ -436,7 +436,7 @@ Fiber* Processor::steal_work() noexcept {
 // Takes up to half a ring from the injector (the rest stays for other processors): runs the
 // first, queues the others.
 Fiber* Processor::refill_from_injector() noexcept {
-  Fiber* batch[RunQueue::capacity() / 2];
+  Fiber** batch = refill_scratch_;  // not a local array: this runs on (possibly compact) fiber stacks
   const std::size_t room = std::min<std::size_t>(queue_.remaining_slots(), RunQueue::capacity() / 2);
   const std::size_t n = sched_.injector().pop_batch(batch, room);
   if (n == 0) return nullptr;

@@ -165,6 +165,7 @@ class Processor {
   uint32_t rng_;            // victim selection
   uint64_t id_next_ = 0, id_end_ = 0;  // block of fiber ids
   std::optional<StackCache> stacks_;   // made when the thread starts, emptied when it retires
+  Fiber* refill_scratch_[RunQueue::capacity() / 2];  // refill_from_injector's batch (owner only)
 
   // ---- shared state
   RunQueue::Stealer stealer_;
