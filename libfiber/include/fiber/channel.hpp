@@ -182,6 +182,7 @@ class FIBER_API ChanBase {
   // Receives into the empty std::optional<T> at dst: ok, closed, or empty / timeout. Throws
   // Cancelled.
   ChanStatus recv(void* dst, Wait wait, Deadline deadline);
+  FIBER_HIDDEN bool park_locked(ChanQueue& q, ChanNode& node, Wait wait, Deadline deadline);
   void close();
   bool closed() const noexcept;
   std::size_t size() const noexcept;

@@ -110,6 +110,25 @@ void ChanBase::finish(const Handoff& h) const noexcept {
   waiter_wake(*w);  // `h.peer` and `*w` may be gone from here on
 }
 
+// The blocking half of send and recv, entered with mu_ held: queue `node`, unlock, park until a
+// peer or close() claims it (true), or the deadline passes (false; the node is withdrawn).
+// Throws Cancelled (node withdrawn) if the fiber is cancelled.
+bool ChanBase::park_locked(ChanQueue& q, ChanNode& node, Wait wait, Deadline deadline) {
+  Waiter& w = *node.waiter;
+  waiter_prepare(w);
+  q.push_back(&node);
+  mu_.unlock();
+  const WakeReason r = wait == Wait::until ? waiter_wait_until(w, ParkReason::Channel, deadline)
+                                           : waiter_wait(w, ParkReason::Channel);
+  if (r == WakeReason::Notified) [[likely]] return true;
+  {
+    std::lock_guard lock(mu_);
+    q.remove_if_queued(&node);
+  }
+  if (r == WakeReason::Cancelled) throw Cancelled();
+  return false;
+}
+
 ChanStatus ChanBase::send(void* src, Wait wait, Deadline deadline) {
   Handoff h;
   mu_.lock();
@@ -126,22 +145,10 @@ ChanStatus ChanBase::send(void* src, Wait wait, Deadline deadline) {
   }
   Waiter w;
   ChanNode node{&w, nullptr, nullptr, src, 0};
-  waiter_prepare(w);
-  sendq_.push_back(&node);
-  mu_.unlock();
-  const WakeReason r = wait == Wait::until ? waiter_wait_until(w, ParkReason::Channel, deadline)
-                                           : waiter_wait(w, ParkReason::Channel);
-  if (r == WakeReason::Notified) [[likely]] {
-    // A receiver took the value, or close() woke us.
-    if (w.tag & kChanClosedTag) throw_closed("fiber::Channel::send: the channel was closed while the sender waited");
-    return ChanStatus::ok;
-  }
-  {
-    std::lock_guard lock(mu_);
-    sendq_.remove_if_queued(&node);
-  }
-  if (r == WakeReason::Cancelled) throw Cancelled();
-  return ChanStatus::timeout;
+  if (!park_locked(sendq_, node, wait, deadline)) return ChanStatus::timeout;
+  // A receiver took the value, or close() woke us.
+  if (w.tag & kChanClosedTag) throw_closed("fiber::Channel::send: the channel was closed while the sender waited");
+  return ChanStatus::ok;
 }
 
 ChanStatus ChanBase::recv(void* dst, Wait wait, Deadline deadline) {
@@ -160,20 +167,8 @@ ChanStatus ChanBase::recv(void* dst, Wait wait, Deadline deadline) {
   }
   Waiter w;
   ChanNode node{&w, nullptr, nullptr, dst, 0};
-  waiter_prepare(w);
-  recvq_.push_back(&node);
-  mu_.unlock();
-  const WakeReason r = wait == Wait::until ? waiter_wait_until(w, ParkReason::Channel, deadline)
-                                           : waiter_wait(w, ParkReason::Channel);
-  if (r == WakeReason::Notified) [[likely]] {
-    return (w.tag & kChanClosedTag) ? ChanStatus::closed : ChanStatus::ok;
-  }
-  {
-    std::lock_guard lock(mu_);
-    recvq_.remove_if_queued(&node);
-  }
-  if (r == WakeReason::Cancelled) throw Cancelled();
-  return ChanStatus::timeout;
+  if (!park_locked(recvq_, node, wait, deadline)) return ChanStatus::timeout;
+  return (w.tag & kChanClosedTag) ? ChanStatus::closed : ChanStatus::ok;
 }
 
 void ChanBase::close() {
