@@ -249,8 +249,8 @@ void complete_fiber(Fiber* f) noexcept {
   const uintptr_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
   if (old == Fiber::kJoinWaiting) {
     waiter_notify(f->join_waiter);
-  } else if (old == Fiber::kJoinDetached || f->refs.load(std::memory_order_acquire) == 1) {
-    report_if_unobserved(f);  // detached, or never had a handle (go)
+  } else if (old == Fiber::kJoinDetached) {
+    report_if_unobserved(f);  // detached: `go` fibers are born so, and a dropped handle detaches
   }
   if (g) g->done();
 }
