@@ -35,24 +35,32 @@ class Group;
 enum class FiberState : uint8_t { Created, Runnable, Running, Parking, Parked, Notified, Finished };
 const char* fiber_state_name(FiberState s) noexcept;
 
-// The claim word of a fiber's current wait: (generation << 8) | cancel bit | WakeReason.
+// The claim word of a fiber's current wait:
+//   (generation << 8) | cancel bit | shielded bit | WakeReason.
+// `shielded`: this wait ignores cancellation (fiber_cancel does not claim it, and a pending cancel
+// does not end it early); used where the wait must outlast a cancel, e.g. for a completion that
+// still refers to the fiber's stack.
 struct WakeWord {
-  static constexpr uint64_t kReasonMask = 0x7f;
+  static constexpr uint64_t kReasonMask = 0x3f;
+  static constexpr uint64_t kShieldBit = 0x40;
   static constexpr uint64_t kCancelBit = 0x80;
   uint64_t gen;
   bool cancelled;
   WakeReason reason;
+  bool shielded = false;
 
   static constexpr WakeWord unpack(uint64_t v) noexcept {
-    return {v >> 8, (v & kCancelBit) != 0, static_cast<WakeReason>(v & kReasonMask)};
+    return {v >> 8, (v & kCancelBit) != 0, static_cast<WakeReason>(v & kReasonMask), (v & kShieldBit) != 0};
   }
   constexpr uint64_t pack() const noexcept {
-    return (gen << 8) | (cancelled ? kCancelBit : 0) | static_cast<uint64_t>(reason);
+    return (gen << 8) | (cancelled ? kCancelBit : 0) | (shielded ? kShieldBit : 0) | static_cast<uint64_t>(reason);
   }
 };
 static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).gen == 5);
 static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).cancelled);
 static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Cancelled}.pack()).reason == WakeReason::Cancelled);
+static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Pending, true}.pack()).shielded);
+static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Pending, true}.pack()).reason == WakeReason::Pending);
 
 struct Fiber {
   // ---- switch path (first cache line)

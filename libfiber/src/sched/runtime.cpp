@@ -298,8 +298,9 @@ void fiber_cancel(Fiber* f) noexcept {
   uint64_t cur = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
   for (;;) {
     const WakeWord w = WakeWord::unpack(cur);
-    if (w.reason != WakeReason::Pending) return;  // not waiting: its next wait sees the bit
-    const WakeWord claimed{w.gen, true, WakeReason::Cancelled};
+    // Not waiting, or in a shielded wait: its next (unshielded) wait sees the bit.
+    if (w.reason != WakeReason::Pending || w.shielded) return;
+    const WakeWord claimed{w.gen, true, WakeReason::Cancelled, false};
     if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) {
       unpark(f);
       return;

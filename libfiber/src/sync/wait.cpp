@@ -83,7 +83,12 @@ constexpr uint8_t kPending = static_cast<uint8_t>(WakeReason::Pending);
 
 // ------------------------------------------------------------------------------ waiter
 
-void waiter_prepare(Waiter& w) noexcept {
+static void waiter_prepare_impl(Waiter& w, bool shielded) noexcept;
+
+void waiter_prepare(Waiter& w) noexcept { waiter_prepare_impl(w, false); }
+void waiter_prepare_shielded(Waiter& w) noexcept { waiter_prepare_impl(w, true); }
+
+void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
   Fiber* f = current_fiber();
   w.fiber = f;
   w.next = w.prev = nullptr;
@@ -102,7 +107,7 @@ void waiter_prepare(Waiter& w) noexcept {
   WakeWord next;
   do {
     const WakeWord ww = WakeWord::unpack(cur);
-    next = WakeWord{ww.gen + 1, ww.cancelled, WakeReason::Pending};
+    next = WakeWord{ww.gen + 1, ww.cancelled, WakeReason::Pending, shielded};
   } while (!f->wake_word.compare_exchange_weak(cur, next.pack(), std::memory_order_acq_rel));
   w.gen = next.gen;
 }
@@ -118,7 +123,7 @@ bool waiter_claim(Waiter& w, WakeReason reason) noexcept {
   for (;;) {
     const WakeWord ww = WakeWord::unpack(cur);
     if (ww.gen != w.gen || ww.reason != WakeReason::Pending) return false;
-    const WakeWord claimed{ww.gen, ww.cancelled, reason};
+    const WakeWord claimed{ww.gen, ww.cancelled, reason, ww.shielded};
     if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) return true;
   }
 }
@@ -158,8 +163,8 @@ namespace {
 // A fiber wait. `entry` (optional) is its timer, already added.
 WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
   Fiber* f = w.fiber;
-  if (WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled &&
-      waiter_claim(w, WakeReason::Cancelled)) {
+  const WakeWord ww = WakeWord::unpack(f->wake_word.load(std::memory_order_acquire));
+  if (ww.cancelled && !ww.shielded && waiter_claim(w, WakeReason::Cancelled)) {
     // Claimed by ourselves: no waker will unpark us. Wakers that lost do nothing.
     f->state.store(FiberState::Running, std::memory_order_release);
     return WakeReason::Cancelled;

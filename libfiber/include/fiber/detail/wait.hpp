@@ -72,6 +72,11 @@ struct Waiter {
 // Binds `w` to the calling fiber (starting a new wait generation) or thread. Must precede making
 // `w` visible to wakers.
 FIBER_API void waiter_prepare(Waiter& w) noexcept;
+// The same for a wait that cancellation does not end: fiber_cancel does not claim it and a
+// pending cancel does not cut it short (the cancel bit stays set for the next ordinary wait).
+// For waits that must outlast a cancel, such as a completion that still refers to the stack.
+// Timeouts and peers claim it as usual. Threads: the same as waiter_prepare.
+FIBER_API void waiter_prepare_shielded(Waiter& w) noexcept;
 // Parks until `w` is claimed, or its deadline passes (then claims it as Timeout itself).
 // Returns the reason it was claimed with. A cancelled fiber returns Cancelled at once.
 FIBER_API WakeReason waiter_wait(Waiter& w, ParkReason why) noexcept;
