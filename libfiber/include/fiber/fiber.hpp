@@ -17,3 +17,5 @@
 #include "fiber/rwmutex.hpp"
 #include "fiber/select.hpp"
 #include "fiber/semaphore.hpp"
+#include "fiber/io.hpp"
+#include "fiber/net.hpp"

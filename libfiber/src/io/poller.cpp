@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -18,98 +19,239 @@
 namespace fiber::detail {
 namespace {
 
-constexpr uint64_t kWakeTag = 1;
+constexpr uint64_t kIgnoreTag = 0;  // completions nobody waits for (cancel requests)
+constexpr uint64_t kWakeTag = 1;    // the armed eventfd read (uring) / the eventfd (epoll)
 
 timespec to_timespec(int64_t ns) noexcept {
   return timespec{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
 }
 
-class UringPoller final : public Poller {
- public:
-  UringPoller(int efd, io_uring ring) noexcept : Poller(efd), ring_(ring) { arm(); }
-  ~UringPoller() override {
-    io_uring_queue_exit(&ring_);
-    close(event_fd_);
-  }
+}  // namespace
 
-  // Tries SINGLE_ISSUER|DEFER_TASKRUN, then fewer flags on EINVAL. Returns -errno on failure.
-  static int setup(io_uring* ring) noexcept {
-    const unsigned flag_sets[] = {
-        IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
-        IORING_SETUP_SINGLE_ISSUER,
-        0,
-    };
-    int rc = -EINVAL;
-    for (unsigned flags : flag_sets) {
-      io_uring_params p{};
-      p.flags = flags;
-      rc = io_uring_queue_init_params(256, ring, &p);
-      if (rc != -EINVAL) break;
+// ------------------------------------------------------------------------------ common
+
+void Poller::complete(IoOp* op) noexcept {
+  --inflight_;
+  Waiter& w = op->settling ? op->settle : op->w;
+  if (waiter_claim(w, WakeReason::Notified)) {
+    op->done.store(true, std::memory_order_release);
+    waiter_wake(w);  // the fiber cannot resume before this; afterwards `op` may be gone
+  } else {
+    // Woken early (deadline, cancel, close): it is waiting to see `done`, and may return - and
+    // free `op` - as soon as it does. Nothing of `op` is touched after this store.
+    op->done.store(true, std::memory_order_release);
+  }
+}
+
+// ------------------------------------------------------------------------------ io_uring
+
+UringPoller::UringPoller(int efd, io_uring ring) noexcept : Poller(PollerKind::Uring, efd), ring_(ring) { arm(); }
+
+UringPoller::~UringPoller() {
+  io_uring_queue_exit(&ring_);
+  close(event_fd_);
+}
+
+int UringPoller::setup(io_uring* ring) noexcept {
+  const unsigned flag_sets[] = {
+      IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
+      IORING_SETUP_SINGLE_ISSUER,
+      0,
+  };
+  int rc = -EINVAL;
+  for (unsigned flags : flag_sets) {
+    io_uring_params p{};
+    // A deep completion queue: every parked fiber may have an operation in flight, and an
+    // overflow (kept by the kernel, reported as -EBUSY) costs a reap-and-retry.
+    p.flags = flags | IORING_SETUP_CQSIZE;
+    p.cq_entries = 8192;
+    rc = io_uring_queue_init_params(512, ring, &p);
+    if (rc != -EINVAL) break;
+  }
+  return rc;
+}
+
+io_uring_sqe* UringPoller::get_sqe() noexcept {
+  for (;;) {
+    if (io_uring_sqe* sqe = io_uring_get_sqe(&ring_)) return sqe;
+    submit();  // the submission queue is full: hand it to the kernel
+  }
+}
+
+void UringPoller::submit() noexcept {
+  for (;;) {
+    const int rc = io_uring_submit(&ring_);
+    if (rc >= 0) return;
+    if (rc == -EBUSY || rc == -EAGAIN) {
+      // The completion queue overflowed (the kernel holds the rest): make room and retry.
+      io_uring_get_events(&ring_);
+      reap();
+      continue;
     }
+    if (rc != -EINTR) return;
+  }
+}
+
+io_uring_sqe* UringPoller::sqe_for(IoOp* op) noexcept {
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_sqe_set_data(sqe, op);
+  ++inflight_;
+  return sqe;
+}
+
+void UringPoller::cancel(IoOp* op) noexcept {
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_cancel(sqe, op, 0);
+  io_uring_sqe_set_data64(sqe, kIgnoreTag);
+}
+
+unsigned UringPoller::reap() noexcept {
+  unsigned head;
+  unsigned seen = 0;
+  unsigned woke = 0;
+  io_uring_cqe* cqe;
+  io_uring_for_each_cqe(&ring_, head, cqe) {
+    ++seen;
+    const uint64_t tag = cqe->user_data;
+    if (tag == kWakeTag) {
+      armed_ = false;
+    } else if (tag != kIgnoreTag) {
+      auto* op = reinterpret_cast<IoOp*>(static_cast<uintptr_t>(tag));
+      op->res = cqe->res;
+      complete(op);
+      ++woke;
+    }
+  }
+  io_uring_cq_advance(&ring_, seen);
+  if (!armed_) arm();
+  return woke;
+}
+
+void UringPoller::wait(int64_t timeout_ns) noexcept {
+  io_uring_cqe* cqe = nullptr;
+  int rc;
+  if (timeout_ns < 0) {
+    rc = io_uring_submit_and_wait(&ring_, 1);
+  } else {
+    __kernel_timespec ts{timeout_ns / 1'000'000'000, timeout_ns % 1'000'000'000};
+    rc = io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, &ts, nullptr);  // -ETIME is a timeout
+  }
+  if (rc == -EBUSY) io_uring_get_events(&ring_);  // overflowed: reap below, submit next time
+  reap();
+}
+
+bool UringPoller::poll() noexcept {
+  if (inflight_ == 0 && io_uring_sq_ready(&ring_) == 0) return false;
+  // With DEFER_TASKRUN completions are posted only when we ask for them: submit and get events
+  // in one io_uring_enter.
+  if (io_uring_submit_and_get_events(&ring_) == -EBUSY) io_uring_get_events(&ring_);
+  return reap() > 0;
+}
+
+void UringPoller::arm() noexcept {
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_read(sqe, event_fd_, &wake_buf_, sizeof wake_buf_, 0);
+  io_uring_sqe_set_data64(sqe, kWakeTag);
+  armed_ = true;  // submitted with the next wait or poll
+}
+
+// ------------------------------------------------------------------------------ epoll
+
+EpollPoller::EpollPoller(int efd, int epfd) noexcept : Poller(PollerKind::Epoll, efd), epfd_(epfd) {}
+
+EpollPoller::~EpollPoller() {
+  close(epfd_);
+  close(event_fd_);
+}
+
+// fds are registered with data.u64 = fd + 2, so they never collide with the wake tag.
+int EpollPoller::rearm(int fd, FdWaiters& fw) noexcept {
+  uint32_t want = 0;
+  for (IoOp* op = fw.head; op; op = op->next) want |= op->events;
+  epoll_event ev{};
+  ev.events = want | EPOLLONESHOT;
+  ev.data.u64 = static_cast<uint64_t>(fd) + 2;
+  int rc = epoll_ctl(epfd_, fw.registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, fd, &ev);
+  if (rc != 0 && errno == ENOENT) rc = epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev);  // closed and reopened
+  if (rc != 0 && errno == EEXIST) rc = epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
+  if (rc != 0) return -errno;
+  fw.registered = true;
+  return 0;
+}
+
+int EpollPoller::arm(IoOp* op) noexcept {
+  const auto fd = static_cast<std::size_t>(op->fd);
+  if (fd >= fds_.size()) fds_.resize(std::max<std::size_t>(fd + 1, fds_.size() * 2));
+  FdWaiters& fw = fds_[fd];
+  op->prev = nullptr;
+  op->next = fw.head;
+  if (fw.head) fw.head->prev = op;
+  fw.head = op;
+  const int rc = rearm(op->fd, fw);
+  if (rc != 0) {
+    fw.head = op->next;
+    if (fw.head) fw.head->prev = nullptr;
     return rc;
   }
+  ++inflight_;
+  return 0;
+}
 
-  void wait(int64_t timeout_ns) noexcept override {
-    io_uring_cqe* cqe = nullptr;
-    if (timeout_ns < 0) {
-      io_uring_submit_and_wait(&ring_, 1);
+void EpollPoller::disarm(IoOp* op) noexcept {
+  FdWaiters& fw = fds_[static_cast<std::size_t>(op->fd)];
+  if (op->prev) op->prev->next = op->next; else fw.head = op->next;
+  if (op->next) op->next->prev = op->prev;
+  --inflight_;
+  // Its registration may still fire once (one-shot); dispatch then finds nobody.
+}
+
+unsigned EpollPoller::dispatch(int fd, uint32_t events) noexcept {
+  if (static_cast<std::size_t>(fd) >= fds_.size()) return 0;
+  FdWaiters& fw = fds_[static_cast<std::size_t>(fd)];
+  const bool all = (events & (EPOLLERR | EPOLLHUP)) != 0;  // both directions learn of it
+  unsigned woke = 0;
+  for (IoOp* op = fw.head; op != nullptr;) {
+    IoOp* next = op->next;
+    if (all || (op->events & events) != 0) {
+      if (op->prev) op->prev->next = op->next; else fw.head = op->next;
+      if (op->next) op->next->prev = op->prev;
+      complete(op);
+      ++woke;
+    }
+    op = next;
+  }
+  if (fw.head) rearm(fd, fw);  // one-shot: waiters for the other direction need it again
+  return woke;
+}
+
+unsigned EpollPoller::wait_events(int64_t timeout_ns) noexcept {
+  epoll_event evs[64];
+  int n;
+  if (timeout_ns < 0) {
+    n = epoll_pwait2(epfd_, evs, 64, nullptr, nullptr);
+  } else {
+    timespec ts = to_timespec(timeout_ns);
+    n = epoll_pwait2(epfd_, evs, 64, &ts, nullptr);
+  }
+  unsigned woke = 0;
+  for (int i = 0; i < n; ++i) {
+    if (evs[i].data.u64 == kWakeTag) {
+      drain_eventfd();
     } else {
-      __kernel_timespec ts{timeout_ns / 1'000'000'000, timeout_ns % 1'000'000'000};
-      io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, &ts, nullptr);  // -ETIME is a timeout
-    }
-    unsigned head;
-    unsigned seen = 0;
-    io_uring_for_each_cqe(&ring_, head, cqe) {
-      ++seen;
-      if (cqe->user_data == kWakeTag) armed_ = false;
-    }
-    io_uring_cq_advance(&ring_, seen);
-    if (!armed_) arm();
-  }
-  PollerKind kind() const noexcept override { return PollerKind::Uring; }
-
- private:
-  void arm() noexcept {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (!sqe) {
-      io_uring_submit(&ring_);
-      sqe = io_uring_get_sqe(&ring_);
-    }
-    io_uring_prep_read(sqe, event_fd_, &wake_buf_, sizeof wake_buf_, 0);
-    io_uring_sqe_set_data64(sqe, kWakeTag);
-    armed_ = true;  // submitted with the next wait
-  }
-
-  io_uring ring_;
-  uint64_t wake_buf_ = 0;
-  bool armed_ = false;
-};
-
-class EpollPoller final : public Poller {
- public:
-  EpollPoller(int efd, int epfd) noexcept : Poller(efd), epfd_(epfd) {}
-  ~EpollPoller() override {
-    close(epfd_);
-    close(event_fd_);
-  }
-  void wait(int64_t timeout_ns) noexcept override {
-    epoll_event evs[16];
-    int n;
-    if (timeout_ns < 0) {
-      n = epoll_pwait2(epfd_, evs, 16, nullptr, nullptr);
-    } else {
-      timespec ts = to_timespec(timeout_ns);
-      n = epoll_pwait2(epfd_, evs, 16, &ts, nullptr);
-    }
-    for (int i = 0; i < n; ++i) {
-      if (evs[i].data.u64 == kWakeTag) drain_eventfd();
+      woke += dispatch(static_cast<int>(evs[i].data.u64 - 2), evs[i].events);
     }
   }
-  PollerKind kind() const noexcept override { return PollerKind::Epoll; }
+  return woke;
+}
 
- private:
-  int epfd_;
-};
+void EpollPoller::wait(int64_t timeout_ns) noexcept { wait_events(timeout_ns); }
+
+bool EpollPoller::poll() noexcept {
+  if (inflight_ == 0) return false;
+  return wait_events(0) > 0;
+}
+
+namespace {
 
 enum class IoChoice { Auto, Uring, Epoll };
 

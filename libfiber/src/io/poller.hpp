@@ -1,28 +1,70 @@
-// Poller: what a processor waits in when it has nothing to run, and how other threads wake it.
+// Poller: the per-processor I/O engine. What a processor waits in when it has nothing to run,
+// how other threads wake it, and where fibers' I/O operations wait.
 //
 // UringPoller waits in the processor's own io_uring (created on the processor's thread with
 // SINGLE_ISSUER|DEFER_TASKRUN where the kernel accepts them), with the next timer as timeout;
-// an eventfd read is kept armed in the ring so a write from any thread completes it. The I/O
-// engine submits to the same ring. EpollPoller is the fallback where io_uring is unavailable
-// (EPERM from a seccomp profile, ENOSYS): it waits in epoll_pwait2 on the same eventfd.
+// an eventfd read is kept armed in the ring so a write from any thread completes it. A fiber's
+// operation is an SQE whose user_data is the IoOp on the fiber's stack; SQEs are batched and
+// submitted when the processor polls (every few fibers) or waits.
+//
+// EpollPoller is the fallback where io_uring is unavailable (EPERM from a seccomp profile,
+// ENOSYS): it waits in epoll_pwait2 on the same eventfd, and fibers wait there for readiness
+// (one-shot registrations, re-armed per wait) and then make the call themselves.
+//
 // FIBER_IO=uring|epoll forces one. See libfiber/README.md, "I/O engine".
+//
+// Ownership rule: a pending IoOp belongs to the processor it was submitted on (its "home"); only
+// that processor's thread touches the ring, the epoll registrations and the op's bookkeeping.
+// A fiber woken early (deadline, cancel, close) goes home before it withdraws its op.
 #pragma once
 
+#include <liburing.h>
+
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
+
+#include "fiber/detail/wait.hpp"
 
 namespace fiber::detail {
 
 enum class PollerKind { Uring, Epoll };
 
+// A fiber's I/O operation, on its stack from submission until it is done.
+struct IoOp {
+  Waiter w;        // the wait; claimed by the completion, a deadline, a cancel or a close
+  Waiter settle;   // the shielded wait for the completion after an early wake (uring)
+  int32_t res = 0;  // the completion's result (uring); written by the home thread before `done`
+  // The completion (uring) or readiness (epoll) has arrived and the home thread will not touch
+  // this op again. Release-stored by the home thread last; acquire-loaded by the fiber.
+  std::atomic<bool> done{false};
+  bool settling = false;  // home thread only: the fiber waits on `settle` rather than `w`
+  std::atomic<bool> closed{false};  // set by io::close (under the fd slot's lock) before it claims `w`
+  // epoll: the descriptor and readiness it waits for, and its link among that fd's waiters.
+  int fd = -1;
+  uint32_t events = 0;
+  IoOp* next = nullptr;
+  IoOp* prev = nullptr;
+  // The fd table slot's list of ops in progress (see io/fd_table.hpp); guarded by its lock.
+  IoOp* slot_next = nullptr;
+  IoOp* slot_prev = nullptr;
+};
+
 class Poller {
  public:
   virtual ~Poller() = default;
-  // Waits for a wake or an event, at most timeout_ns (-1: no limit; 0: just poll).
+  // Waits for a wake or an event, at most timeout_ns (-1: no limit; 0: just poll), and wakes
+  // the fibers whose operations completed.
   virtual void wait(int64_t timeout_ns) noexcept = 0;
+  // Without waiting: submits what is queued and wakes the fibers whose operations completed.
+  // True if it woke any.
+  virtual bool poll() noexcept = 0;
   // Any thread: makes a current or next wait() return.
   void wake() noexcept;
-  virtual PollerKind kind() const noexcept = 0;
+  PollerKind kind() const noexcept { return kind_; }
+  // Operations submitted here and not yet completed. Owner thread only.
+  uint32_t inflight() const noexcept { return inflight_; }
 
   // Creates the poller $FIBER_IO asks for (auto by default), on the calling thread.
   // Throws UsageError for an unknown FIBER_IO value, ResourceError if nothing can be created.
@@ -31,9 +73,69 @@ class Poller {
   static void validate_env();
 
  protected:
-  explicit Poller(int event_fd) noexcept : event_fd_(event_fd) {}
+  Poller(PollerKind kind, int event_fd) noexcept : event_fd_(event_fd), kind_(kind) {}
   void drain_eventfd() noexcept;
+  // Marks `op` complete and wakes its fiber (or, if it was woken early, lets it go on).
+  void complete(IoOp* op) noexcept;
   int event_fd_;
+  uint32_t inflight_ = 0;  // owner thread only
+
+ private:
+  PollerKind kind_;
+};
+
+class UringPoller final : public Poller {
+ public:
+  UringPoller(int efd, io_uring ring) noexcept;
+  ~UringPoller() override;
+  // Tries SINGLE_ISSUER|DEFER_TASKRUN, then fewer flags on EINVAL. Returns -errno on failure.
+  static int setup(io_uring* ring) noexcept;
+
+  void wait(int64_t timeout_ns) noexcept override;
+  bool poll() noexcept override;
+
+  // An SQE for `op` (user_data set); never null: submits (and reaps, on -EBUSY) to make room.
+  io_uring_sqe* sqe_for(IoOp* op) noexcept;
+  // Asks the kernel to cancel `op` (its completion then arrives with -ECANCELED, or its real
+  // result if it won the race).
+  void cancel(IoOp* op) noexcept;
+
+ private:
+  io_uring_sqe* get_sqe() noexcept;
+  void submit() noexcept;
+  unsigned reap() noexcept;  // handles every CQE there is; returns how many woke a fiber
+  void arm() noexcept;
+
+  io_uring ring_;
+  uint64_t wake_buf_ = 0;
+  bool armed_ = false;
+};
+
+class EpollPoller final : public Poller {
+ public:
+  EpollPoller(int efd, int epfd) noexcept;
+  ~EpollPoller() override;
+
+  void wait(int64_t timeout_ns) noexcept override;
+  bool poll() noexcept override;
+
+  // Registers `op` to be completed when op->fd is ready for op->events (EPOLLIN/EPOLLOUT);
+  // 0, or -errno from epoll_ctl (EPERM: the fd does not support polling, e.g. a regular file).
+  int arm(IoOp* op) noexcept;
+  // Withdraws an op that has not completed.
+  void disarm(IoOp* op) noexcept;
+
+ private:
+  struct FdWaiters {
+    IoOp* head = nullptr;
+    bool registered = false;  // epoll_ctl ADD done (it may have vanished on close: ENOENT)
+  };
+  int rearm(int fd, FdWaiters& fw) noexcept;
+  unsigned dispatch(int fd, uint32_t events) noexcept;
+  unsigned wait_events(int64_t timeout_ns) noexcept;
+
+  int epfd_;
+  std::vector<FdWaiters> fds_;  // indexed by fd; owner thread only
 };
 
 }  // namespace fiber::detail

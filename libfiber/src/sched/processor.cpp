@@ -218,6 +218,9 @@ Processor* Processor::complete_switch(Transfer t) noexcept {
     case After::Finish:
       m.p->release_finished(m.from);
       break;
+    case After::SendHome:
+      m.from->pinned->push_inbox(m.from);
+      break;
   }
   return m.p;
 }
@@ -302,6 +305,31 @@ void Processor::park_current(ParkReason why) noexcept {
     break;
   }
   self->park_reason = ParkReason::None;
+}
+
+void Processor::move_current_to(Processor* home) noexcept {
+  Processor* p = current_processor();
+  Fiber* self = p->current();
+  if (self->pin_depth++ == 0) self->pinned = home;
+  if (self->pinned != home) [[unlikely]] {
+    std::fprintf(stderr, "libfiber: broken invariant: fiber #%llu pinned elsewhere has I/O on another processor\n",
+                 static_cast<unsigned long long>(self->id));
+    std::abort();
+  }
+  if (p == home) return;
+  Fiber* next = p->find_work();
+  if (next != nullptr && ((next->pinned != nullptr && next->pinned != p) ||
+                          (next->ctx == nullptr && !p->prepare_first_run(next)))) {
+    p->schedule_yield(next);  // the loop deals with it
+    next = nullptr;
+  }
+  self->set_state(FiberState::Running, FiberState::Runnable);
+  switch_to(p, self, next ? next : &p->loop_, After::SendHome);
+}
+
+void Processor::unpin_current() noexcept {
+  Fiber* self = current_processor()->current();
+  if (--self->pin_depth == 0) self->pinned = nullptr;
 }
 
 void Processor::finish_current() noexcept {
@@ -452,6 +480,7 @@ void Processor::found_work_while_searching() noexcept {
 
 bool Processor::maintenance() noexcept {
   bool any = drain_inbox();
+  any |= poller_->poll();  // submit queued I/O, wake fibers whose I/O completed
   if (timers_.next_deadline() != TimerQueue::kNone) any |= timers_.fire_expired(steady_now_ns()) > 0;
   return any;
 }
@@ -516,6 +545,7 @@ bool Processor::transition_from_parked() noexcept {
 bool Processor::try_retire() noexcept {
   if (sched_.stopping() || sched_.blocked_processors() != 0) return false;
   if (has_local_work() || timers_.next_deadline() != TimerQueue::kNone) return false;
+  if (poller_->inflight() != 0) return false;  // I/O of its own fibers is still in its ring
   if (!sched_.idle().retire(index_)) return false;  // a notifier took us: look for work
   retired_ = true;
   return true;

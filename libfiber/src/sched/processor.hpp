@@ -97,6 +97,11 @@ class Processor {
   // visible to wakers. Returns when it has been unparked.
   static void park_current(ParkReason why) noexcept;
   [[noreturn]] static void finish_current() noexcept;
+  // Pins the current fiber to `home` (as PinGuard does) and moves it there if it runs
+  // elsewhere: through home's inbox, after the switch away. The I/O engine uses it to withdraw
+  // an operation on the processor that owns it. Undo with unpin_current().
+  static void move_current_to(Processor* home) noexcept;
+  static void unpin_current() noexcept;
 
   // ---- Executed only by the owner thread (fiber or loop context).
   void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
@@ -107,7 +112,7 @@ class Processor {
   void wake_thread() noexcept { poller_->wake(); }
 
  private:
-  enum class After : uint8_t { Nothing, Yield, Park, Finish };
+  enum class After : uint8_t { Nothing, Yield, Park, Finish, SendHome };
   struct SwitchMsg {
     Processor* p;  // the processor on which the switch happens
     Fiber* from;

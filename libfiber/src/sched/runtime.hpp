@@ -18,7 +18,8 @@ void drop_fiber_ref(Fiber* f) noexcept;
 // Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding).
 void throw_if_cancelled(const Fiber* f);
 [[noreturn]] void report_stack_overflow(const Fiber* f) noexcept;
-// Ends a prepared wait that was never made visible to wakers.
+// Ends a prepared wait that will not be waited for. A cancel or close may have claimed it
+// meanwhile; then this returns once their unpark has landed.
 void waiter_abandon(Waiter& w) noexcept;
 
 }  // namespace fiber::detail

@@ -153,9 +153,14 @@ void waiter_abandon(Waiter& w) noexcept {
     w.state.store(static_cast<uint8_t>(WakeReason::Notified), std::memory_order_relaxed);
     return;
   }
-  waiter_claim(w, WakeReason::Notified);
-  // Never visible to wakers, so nobody enqueued it (a cancel may have moved it to Notified).
-  w.fiber->state.store(FiberState::Running, std::memory_order_release);
+  if (waiter_claim(w, WakeReason::Notified)) {
+    // Claimed by ourselves: nobody will unpark us.
+    w.fiber->state.store(FiberState::Running, std::memory_order_release);
+    return;
+  }
+  // A cancel (or a close) claimed it first and is about to unpark us: let that unpark land
+  // (at once if it already has) rather than race it.
+  Processor::park_current(ParkReason::None);
 }
 
 namespace {

@@ -1,0 +1,148 @@
+// A small TCP layer over fiber::io: listen, accept, dial, and a stream with exact reads and
+// complete writes.
+//
+//   auto ln = fiber::net::Listener::listen("127.0.0.1:0");
+//   if (!ln) die(ln.message());
+//   uint16_t port = ln->port();
+//   for (;;) {
+//     auto conn = ln->accept();
+//     if (!conn) continue;                          // conn.error() is the errno
+//     fiber::go [c = std::move(*conn)]() mutable {
+//       char buf[4096];
+//       ssize_t n;
+//       while ((n = c.read(buf, sizeof buf)) > 0) {
+//         if (c.write_all(buf, n) < 0) break;
+//       }
+//     };
+//   }
+//
+// Errors, as in fiber/io.hpp: calls returning a count or a descriptor return -errno; calls
+// returning an object return a Result<T>, which holds the object or the errno and a message
+// saying what failed. Addresses are "host:port": an IPv4 address, "[IPv6]", "localhost" or
+// another name (resolved on the blocking-offload pool), or "" / "*" for any address. A string
+// that does not parse gives EINVAL.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+
+#include "fiber/config.hpp"
+#include "fiber/io.hpp"
+
+namespace fiber::net {
+
+// An object, or the errno and a message saying why there is none.
+template <typename T>
+class Result {
+ public:
+  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit, like std::expected
+  static Result failure(int err, std::string message) {
+    Result r;
+    r.err_ = err;
+    r.message_ = std::move(message);
+    return r;
+  }
+
+  bool ok() const noexcept { return err_ == 0; }
+  explicit operator bool() const noexcept { return ok(); }
+  int error() const noexcept { return err_; }  // the errno, 0 on success
+  const std::string& message() const noexcept { return message_; }
+  // The object; throws std::system_error (with the message) when there is none.
+  T& value() & {
+    if (err_ != 0) throw std::system_error(err_, std::generic_category(), message_);
+    return value_;
+  }
+  T&& value() && { return std::move(value()); }
+  T& operator*() & { return value(); }
+  T* operator->() { return &value(); }
+
+ private:
+  Result() = default;
+  T value_{};
+  int err_ = 0;
+  std::string message_;
+};
+
+// A parsed address.
+struct Address {
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  const sockaddr* get() const noexcept { return reinterpret_cast<const sockaddr*>(&storage); }
+  uint16_t port() const noexcept;
+  std::string to_string() const;  // "1.2.3.4:80" / "[::1]:80"
+};
+// Parses "host:port" (see above). Names other than numeric ones and localhost are resolved
+// with getaddrinfo (on the blocking-offload pool inside a fiber).
+FIBER_API Result<Address> resolve(std::string_view host_port);
+
+// A connected TCP socket. Move-only; closes its descriptor when destroyed.
+class FIBER_API Stream {
+ public:
+  Stream() noexcept = default;
+  explicit Stream(int fd) noexcept : fd_(fd) {}
+  Stream(Stream&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Stream& operator=(Stream&& o) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() { close(); }
+
+  // Connects to "host:port" (TCP_NODELAY set). The deadline covers resolution and connect.
+  static Result<Stream> dial(std::string_view host_port, io::Deadline deadline = {});
+
+  // Up to n bytes; 0 when the peer has closed; -errno.
+  ssize_t read(void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::recv(fd_, buf, n, 0, deadline); }
+  ssize_t write(const void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::send(fd_, buf, n, 0, deadline); }
+  // Exactly n bytes: returns n; fewer if the peer closed first (the count read); -errno on an
+  // error (the bytes read before it are in buf, their count is lost).
+  ssize_t read_exact(void* buf, size_t n, io::Deadline deadline = {}) noexcept;
+  // All n bytes, looping over short writes: n, or -errno.
+  ssize_t write_all(const void* buf, size_t n, io::Deadline deadline = {}) noexcept;
+  // shutdown(2): SHUT_WR sends end-of-stream to the peer. 0 or -errno.
+  int shutdown(int how = SHUT_WR) noexcept;
+  // Closes now (as io::close: wakes fibers waiting on it). 0 or -errno; 0 if already closed.
+  int close() noexcept;
+  int set_nodelay(bool on) noexcept;
+
+  int fd() const noexcept { return fd_; }
+  bool is_open() const noexcept { return fd_ >= 0; }
+  // Gives up ownership of the descriptor.
+  int release() noexcept { return std::exchange(fd_, -1); }
+  Result<Address> peer_address() const;
+
+ private:
+  int fd_ = -1;
+};
+
+// A listening TCP socket. Move-only; closes its descriptor when destroyed.
+class FIBER_API Listener {
+ public:
+  Listener() noexcept = default;
+  Listener(Listener&& o) noexcept : fd_(std::exchange(o.fd_, -1)), port_(o.port_) {}
+  Listener& operator=(Listener&& o) noexcept;
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  ~Listener() { close(); }
+
+  // Binds "host:port" (port 0: any free port, see port()) with SO_REUSEADDR and listens.
+  static Result<Listener> listen(std::string_view host_port, int backlog = 4096);
+
+  // The next connection (TCP_NODELAY set). Fails with -EMFILE/-ENFILE when out of descriptors:
+  // the caller should back off and retry (see samples/echo_server.cpp).
+  Result<Stream> accept(io::Deadline deadline = {});
+  int close() noexcept;
+
+  uint16_t port() const noexcept { return port_; }
+  int fd() const noexcept { return fd_; }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+};
+
+}  // namespace fiber::net

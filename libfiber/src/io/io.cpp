@@ -1,0 +1,521 @@
+// fiber::io: every call takes one of three paths.
+//
+//   fiber, io_uring  the operation is an SQE whose user_data is an IoOp on the fiber's stack;
+//                    the fiber parks until its completion wakes it (ring_op).
+//   fiber, epoll     the call is made non-blocking; on EAGAIN the fiber parks until the engine
+//                    reports readiness, then tries again (ready_loop with wait_ready).
+//   plain thread     the real call, which blocks; with a deadline, poll() first (ready_loop
+//                    with poll_ready).
+//
+// An early wake (deadline, cancel, io::close) may come while the operation is still in the
+// kernel. The fiber then goes home - to the processor whose ring or epoll set holds the
+// operation, the only thread that may touch it - and withdraws it there: io_uring gets an
+// ASYNC_CANCEL and the fiber waits (shielded from further cancels) for the completion, since
+// the kernel may still write into its buffer until then; epoll simply drops the registration.
+// If the operation completed anyway, its result stands (no data is lost to a deadline).
+#include "fiber/io.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <new>
+
+#include "io/fd_table.hpp"
+#include "io/poller.hpp"
+#include "sched/fiber.hpp"
+#include "sched/processor.hpp"
+#include "sched/runtime.hpp"
+
+namespace fiber::detail {
+
+// ------------------------------------------------------------------------------ fd table
+
+FdSlot* FdTable::allocate(std::atomic<FdSlot*>& c) noexcept {
+  auto* fresh = new (std::nothrow) FdSlot[1 << kChunkBits];
+  if (fresh == nullptr) return nullptr;
+  FdSlot* expected = nullptr;
+  if (c.compare_exchange_strong(expected, fresh, std::memory_order_acq_rel)) return fresh;
+  delete[] fresh;  // another thread published one first
+  return expected;
+}
+
+FdTable& fd_table() noexcept {
+  static FdTable* table = new FdTable();  // never destroyed: used until the last thread ends
+  return *table;
+}
+
+bool fd_begin(FdSlot* slot, IoOp* op) noexcept {
+  std::lock_guard lock(slot->lock);
+  if (slot->closing) return false;
+  op->slot_prev = nullptr;
+  op->slot_next = slot->ops;
+  if (slot->ops) slot->ops->slot_prev = op;
+  slot->ops = op;
+  return true;
+}
+
+void fd_end(FdSlot* slot, IoOp* op) noexcept {
+  std::lock_guard lock(slot->lock);
+  if (op->slot_prev) op->slot_prev->slot_next = op->slot_next; else slot->ops = op->slot_next;
+  if (op->slot_next) op->slot_next->slot_prev = op->slot_prev;
+  if (slot->ops == nullptr) slot->closers.notify_all();
+}
+
+namespace {
+
+// ------------------------------------------------------------------------------ helpers
+
+inline ssize_t sys(ssize_t rc) noexcept { return rc < 0 ? -errno : rc; }
+
+bool cancel_requested(const Fiber* f) noexcept {
+  return WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled;
+}
+
+// What an early-woken operation reports when it did not complete.
+int32_t early_error(const IoOp& op, WakeReason why) noexcept {
+  if (op.closed.load(std::memory_order_relaxed)) return -EBADF;
+  return why == WakeReason::Timeout ? -ETIMEDOUT : -ECANCELED;
+}
+
+// After an early wake: withdraw the operation on its home processor, if it is still pending.
+void settle(IoOp& op, Processor* home) noexcept {
+  if (op.done.load(std::memory_order_acquire)) return;
+  Processor::move_current_to(home);
+  // Home now, and only this thread writes `done` here: a plain check is enough.
+  if (!op.done.load(std::memory_order_acquire)) {
+    Poller& poller = home->poller();
+    if (poller.kind() == PollerKind::Uring) {
+      op.settling = true;
+      waiter_prepare_shielded(op.settle);
+      static_cast<UringPoller&>(poller).cancel(&op);
+      waiter_wait(op.settle, ParkReason::IO);  // until its completion arrives
+    } else {
+      static_cast<EpollPoller&>(poller).disarm(&op);
+    }
+  }
+  Processor::unpin_current();
+}
+
+// Parks the calling fiber until `op` completes, or the deadline, a cancel or a close ends the
+// wait early. `op.w` must be prepared and `op` submitted.
+WakeReason park_on(IoOp& op, const io::Deadline& dl) noexcept {
+  return dl.is_none() ? waiter_wait(op.w, ParkReason::IO) : waiter_wait_until(op.w, ParkReason::IO, dl.at());
+}
+
+// Lists the op on its descriptor for io::close (see fd_table.hpp) for the scope of a call.
+class FdGuard {
+ public:
+  FdGuard(int fd, IoOp* op) noexcept : slot_(fd_table().slot(fd)), op_(op) {
+    if (slot_ && !fd_begin(slot_, op_)) {
+      slot_ = nullptr;
+      ok_ = false;
+    }
+  }
+  ~FdGuard() {
+    if (slot_) fd_end(slot_, op_);
+  }
+  bool ok() const noexcept { return ok_; }
+
+ private:
+  FdSlot* slot_;
+  IoOp* op_;
+  bool ok_ = true;
+};
+
+// The checks every call makes first: -ECANCELED, -ETIMEDOUT, or 0 to go on.
+int precheck(const Fiber* f, const io::Deadline& dl) noexcept {
+  if (f != nullptr && cancel_requested(f)) return -ECANCELED;
+  if (dl.expired()) return -ETIMEDOUT;
+  return 0;
+}
+
+// ------------------------------------------------------------------------------ io_uring path
+
+template <typename Prep>
+ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep) noexcept {
+  IoOp op;
+  // Prepared before it is listed: io::close() may claim it from then on.
+  waiter_prepare(op.w);
+  FdGuard guard(fd, &op);
+  if (!guard.ok()) {
+    waiter_abandon(op.w);
+    return -EBADF;
+  }
+  Processor* home = current_processor();
+  auto& ring = static_cast<UringPoller&>(home->poller());
+  prep(ring.sqe_for(&op));
+  const WakeReason why = park_on(op, dl);
+  if (why == WakeReason::Notified) return op.res;
+  settle(op, home);
+  // Completed after all (it won the race with the cancel): its result stands.
+  if (op.res != -ECANCELED && op.res != -EINTR) return op.res;
+  return early_error(op, why);
+}
+
+// ------------------------------------------------------------------------------ readiness path
+
+// epoll engine: parks until `fd` is ready for `events`. 0, or -errno.
+int wait_ready_fiber(int fd, uint32_t events, const io::Deadline& dl) noexcept {
+  IoOp op;
+  op.fd = fd;
+  op.events = events;
+  waiter_prepare(op.w);  // before it is listed: io::close() may claim it from then on
+  FdGuard guard(fd, &op);
+  if (!guard.ok()) {
+    waiter_abandon(op.w);
+    return -EBADF;
+  }
+  Processor* home = current_processor();
+  auto& ep = static_cast<EpollPoller&>(home->poller());
+  if (const int rc = ep.arm(&op); rc != 0) {
+    waiter_abandon(op.w);
+    return rc;
+  }
+  const WakeReason why = park_on(op, dl);
+  if (why == WakeReason::Notified) return 0;
+  settle(op, home);
+  return early_error(op, why);
+}
+
+// Plain thread: poll() until ready or the deadline.
+int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept {
+  pollfd p{fd, static_cast<short>(events & EPOLLIN ? POLLIN : POLLOUT), 0};
+  for (;;) {
+    timespec ts{};
+    timespec* tsp = nullptr;
+    if (!dl.is_none()) {
+      const auto left = dl.at() - std::chrono::steady_clock::now();
+      if (left <= left.zero()) return -ETIMEDOUT;
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      ts = {static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+      tsp = &ts;
+    }
+    const int rc = ppoll(&p, 1, tsp, nullptr);
+    if (rc > 0) return (p.revents & POLLNVAL) ? -EBADF : 0;  // ERR/HUP: the call will say what
+    if (rc < 0 && errno != EINTR) return -errno;
+  }
+}
+
+int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl) noexcept {
+  return f ? wait_ready_fiber(fd, events, dl) : wait_ready_thread(fd, events, dl);
+}
+
+// Calls `attempt` until it gives something other than EAGAIN, waiting for readiness between
+// tries. `ready_first`: wait before the first try (the call would block, not fail with EAGAIN).
+template <typename Attempt>
+ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool ready_first,
+                   Attempt&& attempt) noexcept {
+  for (;;) {
+    if (!ready_first) {
+      const ssize_t r = attempt();
+      if (r != -EAGAIN && r != -EWOULDBLOCK) return r;
+    }
+    ready_first = false;
+    if (const int rc = wait_ready(f, fd, events, dl); rc < 0) return rc;
+  }
+}
+
+enum class FdKind { Socket, File, Other, Bad };
+
+FdKind classify(int fd) noexcept {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return FdKind::Bad;
+  if (S_ISSOCK(st.st_mode)) return FdKind::Socket;
+  if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode)) return FdKind::File;
+  return FdKind::Other;
+}
+
+bool is_nonblocking(int fd) noexcept {
+  const int fl = fcntl(fd, F_GETFL);
+  return fl >= 0 && (fl & O_NONBLOCK) != 0;
+}
+
+// The readiness path of a transfer: `sock` is the socket form (MSG_DONTWAIT, never blocks),
+// `plain` the call for other descriptors (made once the descriptor is ready, or directly for
+// regular files, which are always ready).
+template <typename Sock, typename Plain>
+ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, Sock&& sock,
+                       Plain&& plain) noexcept {
+  switch (classify(fd)) {
+    case FdKind::Bad: return -EBADF;
+    case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
+    case FdKind::File: return plain();  // TODO(blocking pool): offload on the epoll engine
+    case FdKind::Other: return ready_loop(f, fd, events, dl, !is_nonblocking(fd), plain);
+  }
+  return -EBADF;
+}
+
+// Which path a call takes.
+enum class Path { Uring, Ready, Thread };
+
+Path path_of(const Fiber* f, const io::Deadline& dl) noexcept {
+  if (f == nullptr) return dl.is_none() ? Path::Thread : Path::Ready;
+  return current_processor()->poller().kind() == PollerKind::Uring ? Path::Uring : Path::Ready;
+}
+
+bool bad_len(size_t n) noexcept { return n > static_cast<size_t>(SSIZE_MAX); }
+bool bad_iov(int iovcnt) noexcept { return iovcnt < 0 || iovcnt > IOV_MAX; }
+
+msghdr iov_msg(const iovec* iov, int iovcnt) noexcept {
+  msghdr m{};
+  m.msg_iov = const_cast<iovec*>(iov);
+  m.msg_iovlen = static_cast<size_t>(iovcnt);
+  return m;
+}
+
+// A socket send made at once when the buffer has room; -ENOTSOCK for other descriptors.
+ssize_t send_now(int fd, const void* buf, size_t n, int flags) noexcept {
+  return sys(::send(fd, buf, n, flags | MSG_DONTWAIT | MSG_NOSIGNAL));
+}
+
+}  // namespace
+}  // namespace fiber::detail
+
+namespace fiber::io {
+
+using detail::Fiber;
+using detail::Path;
+using detail::sys;
+
+ssize_t read(int fd, void* buf, size_t n, Deadline dl) noexcept {
+  if (detail::bad_len(n)) return -EINVAL;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring:
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), -1); });
+    case Path::Ready:
+      return detail::transfer_ready(
+          f, fd, EPOLLIN, dl, [&] { return sys(::recv(fd, buf, n, MSG_DONTWAIT)); }, [&] { return sys(::read(fd, buf, n)); });
+    case Path::Thread: break;
+  }
+  return sys(::read(fd, buf, n));
+}
+
+ssize_t write(int fd, const void* buf, size_t n, Deadline dl) noexcept {
+  if (detail::bad_len(n)) return -EINVAL;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring: {
+      // Sockets: straight into the send buffer when it has room (no park), MSG_NOSIGNAL always.
+      const ssize_t r = detail::send_now(fd, buf, n, 0);
+      if (r == -EAGAIN) {
+        return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_send(s, fd, buf, n, MSG_NOSIGNAL); });
+      }
+      if (r != -ENOTSOCK) return r;
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), -1); });
+    }
+    case Path::Ready:
+      return detail::transfer_ready(
+          f, fd, EPOLLOUT, dl, [&] { return detail::send_now(fd, buf, n, 0); }, [&] { return sys(::write(fd, buf, n)); });
+    case Path::Thread: break;
+  }
+  const ssize_t r = sys(::send(fd, buf, n, MSG_NOSIGNAL));
+  return r == -ENOTSOCK ? sys(::write(fd, buf, n)) : r;
+}
+
+ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
+  if (detail::bad_iov(iovcnt)) return -EINVAL;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring:
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_readv(s, fd, iov, static_cast<unsigned>(iovcnt), -1); });
+    case Path::Ready: {
+      msghdr m = detail::iov_msg(iov, iovcnt);
+      return detail::transfer_ready(
+          f, fd, EPOLLIN, dl, [&] { return sys(::recvmsg(fd, &m, MSG_DONTWAIT)); }, [&] { return sys(::readv(fd, iov, iovcnt)); });
+    }
+    case Path::Thread: break;
+  }
+  return sys(::readv(fd, iov, iovcnt));
+}
+
+ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
+  if (detail::bad_iov(iovcnt)) return -EINVAL;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  msghdr m = detail::iov_msg(iov, iovcnt);
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring: {
+      const ssize_t r = sys(::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL));
+      if (r == -EAGAIN) {
+        return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, &m, MSG_NOSIGNAL); });
+      }
+      if (r != -ENOTSOCK) return r;
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_writev(s, fd, iov, static_cast<unsigned>(iovcnt), -1); });
+    }
+    case Path::Ready:
+      return detail::transfer_ready(
+          f, fd, EPOLLOUT, dl, [&] { return sys(::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL)); },
+          [&] { return sys(::writev(fd, iov, iovcnt)); });
+    case Path::Thread: break;
+  }
+  const ssize_t r = sys(::sendmsg(fd, &m, MSG_NOSIGNAL));
+  return r == -ENOTSOCK ? sys(::writev(fd, iov, iovcnt)) : r;
+}
+
+ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
+  if (detail::bad_len(n) || off < 0) return -EINVAL;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  if (detail::path_of(f, dl) == Path::Uring) {
+    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
+  }
+  return sys(::pread(fd, buf, n, off));  // TODO(blocking pool) on the epoll engine
+}
+
+ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexcept {
+  if (detail::bad_len(n) || off < 0) return -EINVAL;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  if (detail::path_of(f, dl) == Path::Uring) {
+    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
+  }
+  return sys(::pwrite(fd, buf, n, off));  // TODO(blocking pool) on the epoll engine
+}
+
+ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline dl) noexcept {
+  if (detail::bad_len(n)) return -EINVAL;
+  if (flags & MSG_DONTWAIT) return sys(::recv(fd, buf, n, flags));
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring:
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recv(s, fd, buf, n, flags); });
+    case Path::Ready:
+      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return sys(::recv(fd, buf, n, flags | MSG_DONTWAIT)); });
+    case Path::Thread: break;
+  }
+  return sys(::recv(fd, buf, n, flags));
+}
+
+ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline dl) noexcept {
+  if (detail::bad_len(n)) return -EINVAL;
+  flags |= MSG_NOSIGNAL;
+  if (flags & MSG_DONTWAIT) return sys(::send(fd, buf, n, flags));
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring: {
+      const ssize_t r = detail::send_now(fd, buf, n, flags);
+      if (r != -EAGAIN) return r;
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_send(s, fd, buf, n, flags); });
+    }
+    case Path::Ready:
+      return detail::ready_loop(f, fd, EPOLLOUT, dl, false, [&] { return detail::send_now(fd, buf, n, flags); });
+    case Path::Thread: break;
+  }
+  return sys(::send(fd, buf, n, flags));
+}
+
+ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline dl) noexcept {
+  if (flags & MSG_DONTWAIT) return sys(::recvmsg(fd, msg, flags));
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring:
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recvmsg(s, fd, msg, static_cast<unsigned>(flags)); });
+    case Path::Ready:
+      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return sys(::recvmsg(fd, msg, flags | MSG_DONTWAIT)); });
+    case Path::Thread: break;
+  }
+  return sys(::recvmsg(fd, msg, flags));
+}
+
+ssize_t sendmsg(int fd, const msghdr* msg, int flags, Deadline dl) noexcept {
+  flags |= MSG_NOSIGNAL;
+  if (flags & MSG_DONTWAIT) return sys(::sendmsg(fd, msg, flags));
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring: {
+      const ssize_t r = sys(::sendmsg(fd, msg, flags | MSG_DONTWAIT));
+      if (r != -EAGAIN) return r;
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, msg, static_cast<unsigned>(flags)); });
+    }
+    case Path::Ready:
+      return detail::ready_loop(f, fd, EPOLLOUT, dl, false, [&] { return sys(::sendmsg(fd, msg, flags | MSG_DONTWAIT)); });
+    case Path::Thread: break;
+  }
+  return sys(::sendmsg(fd, msg, flags));
+}
+
+int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) noexcept {
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  switch (detail::path_of(f, dl)) {
+    case Path::Uring:
+      return static_cast<int>(
+          detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
+    case Path::Ready:
+      // A blocking listener would block in accept4 even after readiness if another thread took
+      // the connection first; wait for readiness before each try then, and hope for the best.
+      return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, !detail::is_nonblocking(fd),
+                                                 [&] { return sys(::accept4(fd, addr, addrlen, flags)); }));
+    case Path::Thread: break;
+  }
+  return static_cast<int>(sys(::accept4(fd, addr, addrlen, flags)));
+}
+
+int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexcept {
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  const Path path = detail::path_of(f, dl);
+  if (path == Path::Uring) {
+    return static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_connect(s, fd, addr, addrlen); }));
+  }
+  if (path == Path::Thread) return static_cast<int>(sys(::connect(fd, addr, addrlen)));
+  // Readiness: connect non-blocking, wait until writable, then read the outcome.
+  const int fl = fcntl(fd, F_GETFL);
+  if (fl < 0) return -errno;
+  if (!(fl & O_NONBLOCK) && fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) return -errno;
+  int rc = static_cast<int>(sys(::connect(fd, addr, addrlen)));
+  if (rc == -EINPROGRESS) {
+    rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
+    if (rc == 0) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      rc = getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 ? -errno : -err;
+    }
+  }
+  if (!(fl & O_NONBLOCK)) fcntl(fd, F_SETFL, fl);
+  return rc;
+}
+
+int close(int fd) noexcept {
+  detail::FdSlot* slot = detail::fd_table().slot(fd);
+  if (slot == nullptr) return static_cast<int>(sys(::close(fd)));
+  {
+    std::unique_lock lock(slot->lock);
+    if (slot->closing) return -EBADF;  // closed twice, concurrently
+    slot->closing = true;
+    // Wake every fiber still waiting on it; each withdraws its operation and unlists itself.
+    for (detail::IoOp* op = slot->ops; op; op = op->slot_next) {
+      op->closed.store(true, std::memory_order_relaxed);
+      detail::waiter_notify(op->w, detail::WakeReason::Cancelled);
+    }
+    while (slot->ops != nullptr) {
+      detail::Waiter w;
+      // Shielded: the close must finish even if the closing fiber is cancelled meanwhile.
+      detail::waiter_prepare_shielded(w);
+      slot->closers.push_back(&w);
+      lock.unlock();
+      detail::waiter_wait(w, detail::ParkReason::IO);
+      lock.lock();
+      slot->closers.remove_if_queued(&w);
+    }
+  }
+  const int rc = static_cast<int>(sys(::close(fd)));
+  std::lock_guard lock(slot->lock);
+  slot->closing = false;
+  return rc;
+}
+
+}  // namespace fiber::io

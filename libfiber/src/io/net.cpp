@@ -1,0 +1,248 @@
+// fiber::net: TCP over fiber::io. See fiber/net.hpp.
+#include "fiber/net.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace fiber::net {
+namespace {
+
+std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+Result<Address> parse_failure(std::string_view host_port, const char* why) {
+  return Result<Address>::failure(EINVAL, "fiber::net: " + quoted(host_port) + " is not host:port (" + why + ")");
+}
+
+// Splits "host:port" / "[v6]:port"; false if it does not have that shape.
+bool split(std::string_view s, std::string_view& host, std::string_view& port) {
+  if (!s.empty() && s.front() == '[') {
+    const auto close = s.find(']');
+    if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') return false;
+    host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+    return true;
+  }
+  const auto colon = s.rfind(':');
+  if (colon == std::string_view::npos) return false;
+  host = s.substr(0, colon);
+  if (host.find(':') != std::string_view::npos) return false;  // bare IPv6 needs brackets
+  port = s.substr(colon + 1);
+  return true;
+}
+
+bool parse_port(std::string_view s, uint16_t& out) {
+  if (s.empty() || s.size() > 5) return false;
+  unsigned v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<unsigned>(c - '0');
+  }
+  if (v > 65535) return false;
+  out = static_cast<uint16_t>(v);
+  return true;
+}
+
+int socket_for(const Address& a) {
+  const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  return fd < 0 ? -errno : fd;
+}
+
+void nodelay(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+}  // namespace
+
+uint16_t Address::port() const noexcept {
+  if (storage.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&storage)->sin_port);
+  if (storage.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_port);
+  return 0;
+}
+
+std::string Address::to_string() const {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (storage.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr, buf, sizeof buf);
+    return std::string(buf) + ":" + std::to_string(port());
+  }
+  if (storage.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr, buf, sizeof buf);
+    return "[" + std::string(buf) + "]:" + std::to_string(port());
+  }
+  return "?";
+}
+
+Result<Address> resolve(std::string_view host_port) {
+  std::string_view host, port_s;
+  if (!split(host_port, host, port_s)) return parse_failure(host_port, "expected host:port");
+  uint16_t port;
+  if (!parse_port(port_s, port)) return parse_failure(host_port, "the port is not a number from 0 to 65535");
+  Address a;
+  if (host.empty() || host == "*") {
+    auto* in = reinterpret_cast<sockaddr_in*>(&a.storage);
+    in->sin_family = AF_INET;
+    in->sin_addr.s_addr = htonl(INADDR_ANY);
+    in->sin_port = htons(port);
+    a.len = sizeof(sockaddr_in);
+    return a;
+  }
+  const std::string h(host == "localhost" ? std::string_view("127.0.0.1") : host);
+  auto* in = reinterpret_cast<sockaddr_in*>(&a.storage);
+  if (inet_pton(AF_INET, h.c_str(), &in->sin_addr) == 1) {
+    in->sin_family = AF_INET;
+    in->sin_port = htons(port);
+    a.len = sizeof(sockaddr_in);
+    return a;
+  }
+  auto* in6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
+  if (inet_pton(AF_INET6, h.c_str(), &in6->sin6_addr) == 1) {
+    in6->sin6_family = AF_INET6;
+    in6->sin6_port = htons(port);
+    a.len = sizeof(sockaddr_in6);
+    return a;
+  }
+  // A name: getaddrinfo blocks (TODO: run it on the blocking-offload pool inside a fiber).
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(h.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Result<Address>::failure(rc == EAI_SYSTEM ? errno : EHOSTUNREACH,
+                                    "fiber::net: cannot resolve " + quoted(host) + ": " + gai_strerror(rc));
+  }
+  std::memcpy(&a.storage, res->ai_addr, res->ai_addrlen);
+  a.len = res->ai_addrlen;
+  freeaddrinfo(res);
+  if (a.storage.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&a.storage)->sin_port = htons(port);
+  if (a.storage.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&a.storage)->sin6_port = htons(port);
+  return a;
+}
+
+// ------------------------------------------------------------------------------ Stream
+
+Stream& Stream::operator=(Stream&& o) noexcept {
+  if (this != &o) {
+    close();
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
+  auto addr = resolve(host_port);
+  if (!addr) return Result<Stream>::failure(addr.error(), addr.message());
+  const int fd = socket_for(*addr);
+  if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Stream::dial: socket: ") + std::strerror(-fd));
+  Stream s(fd);
+  const int rc = io::connect(fd, addr->get(), addr->len, deadline);
+  if (rc < 0) {
+    return Result<Stream>::failure(-rc, "fiber::net::Stream::dial " + quoted(host_port) + ": " + std::strerror(-rc));
+  }
+  nodelay(fd);
+  return s;
+}
+
+ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept {
+  auto* p = static_cast<char*>(buf);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = io::recv(fd_, p + got, n - got, 0, deadline);
+    if (r < 0) return r;
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return static_cast<ssize_t>(got);
+}
+
+ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noexcept {
+  const auto* p = static_cast<const char*>(buf);
+  size_t sent = 0;
+  while (sent < n) {
+    const ssize_t r = io::send(fd_, p + sent, n - sent, 0, deadline);
+    if (r < 0) return r;
+    sent += static_cast<size_t>(r);
+  }
+  return static_cast<ssize_t>(sent);
+}
+
+int Stream::shutdown(int how) noexcept { return ::shutdown(fd_, how) == 0 ? 0 : -errno; }
+
+int Stream::close() noexcept {
+  if (fd_ < 0) return 0;
+  return io::close(std::exchange(fd_, -1));
+}
+
+int Stream::set_nodelay(bool on) noexcept {
+  const int v = on ? 1 : 0;
+  return setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -errno;
+}
+
+Result<Address> Stream::peer_address() const {
+  Address a;
+  a.len = sizeof a.storage;
+  if (getpeername(fd_, reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+    return Result<Address>::failure(errno, std::string("fiber::net::Stream::peer_address: ") + std::strerror(errno));
+  }
+  return a;
+}
+
+// ------------------------------------------------------------------------------ Listener
+
+Listener& Listener::operator=(Listener&& o) noexcept {
+  if (this != &o) {
+    close();
+    fd_ = std::exchange(o.fd_, -1);
+    port_ = o.port_;
+  }
+  return *this;
+}
+
+Result<Listener> Listener::listen(std::string_view host_port, int backlog) {
+  auto addr = resolve(host_port);
+  if (!addr) return Result<Listener>::failure(addr.error(), addr.message());
+  if (backlog <= 0) return Result<Listener>::failure(EINVAL, "fiber::net::Listener::listen: backlog must be positive");
+  const int fd = socket_for(*addr);
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    ::close(fd);
+    return Result<Listener>::failure(err, "fiber::net::Listener::listen " + quoted(host_port) + ": " + what + ": " +
+                                              std::strerror(err));
+  };
+  if (fd < 0) {
+    errno = -fd;
+    return Result<Listener>::failure(-fd, std::string("fiber::net::Listener::listen: socket: ") + std::strerror(-fd));
+  }
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, addr->get(), addr->len) != 0) return fail("bind");
+  if (::listen(fd, backlog) != 0) return fail("listen");
+  Address bound;
+  bound.len = sizeof bound.storage;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&bound.storage), &bound.len) != 0) return fail("getsockname");
+  Listener l;
+  l.fd_ = fd;
+  l.port_ = bound.port();
+  return l;
+}
+
+Result<Stream> Listener::accept(io::Deadline deadline) {
+  const int fd = io::accept(fd_, nullptr, nullptr, SOCK_CLOEXEC, deadline);
+  if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Listener::accept: ") + std::strerror(-fd));
+  nodelay(fd);
+  return Stream(fd);
+}
+
+int Listener::close() noexcept {
+  if (fd_ < 0) return 0;
+  return io::close(std::exchange(fd_, -1));
+}
+
+}  // namespace fiber::net
