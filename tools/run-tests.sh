@@ -3,8 +3,11 @@
 #
 #   tools/run-tests.sh [PRESET...]      presets from CMakePresets.json; default: release
 #
-# For every preset: cmake --preset P, cmake --build --preset P, ctest --preset P. A failing preset
-# does not stop the remaining ones; the exit status is non-zero if any of them failed.
+# For every preset: cmake --preset P, cmake --build --preset P, then ctest --preset P once per I/O
+# engine: FIBER_IO=uring and FIBER_IO=epoll (set FIBER_TEST_ENGINES="uring" to run one). Where
+# io_uring is unavailable the uring pass is skipped with a note (the runtime falls back to epoll
+# on its own, so it would only repeat the epoll pass). A failing preset does not stop the
+# remaining ones; the exit status is non-zero if any of them failed.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,6 +27,10 @@ if [[ $rnd_bits -gt 28 ]] && command -v setarch >/dev/null 2>&1 && setarch "$(un
   tsan_launcher=(setarch "$(uname -m)" -R)
 fi
 
+read -r -a engines <<<"${FIBER_TEST_ENGINES:-uring epoll}"
+uring_ok=1
+if ! FIBER_IO=uring "$root/tools/io-probe.sh" >/dev/null 2>&1; then uring_ok=0; fi
+
 failed=()
 results=()
 for p in "${presets[@]}"; do
@@ -36,13 +43,23 @@ for p in "${presets[@]}"; do
   if ! cmake --build --preset "$p" -j"$jobs"; then
     failed+=("$p"); results+=("$p: FAILED (build)"); continue
   fi
-  echo "==== [$p] test"
   launcher=()
   [[ $p == tsan ]] && launcher=("${tsan_launcher[@]}")
-  if ! "${launcher[@]}" ctest --preset "$p"; then
-    failed+=("$p"); results+=("$p: FAILED (tests, $((SECONDS - start))s)"); continue
-  fi
-  results+=("$p: passed ($((SECONDS - start))s)")
+  ok=1
+  for e in "${engines[@]}"; do
+    if [[ $e == uring && $uring_ok == 0 ]]; then
+      echo "==== [$p] io_uring is not available here: skipping the FIBER_IO=uring pass"
+      continue
+    fi
+    echo "==== [$p] test, FIBER_IO=$e"
+    # The install check does not depend on the engine: once is enough.
+    extra=()
+    [[ $e != "${engines[0]}" ]] && extra=(-LE install)
+    if ! FIBER_IO=$e "${launcher[@]}" ctest --preset "$p" "${extra[@]}"; then
+      ok=0; failed+=("$p/$e"); results+=("$p FIBER_IO=$e: FAILED ($((SECONDS - start))s)")
+    fi
+  done
+  [[ $ok == 1 ]] && results+=("$p: passed under ${engines[*]} ($((SECONDS - start))s)")
 done
 
 echo "==== summary"

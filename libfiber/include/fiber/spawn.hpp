@@ -64,6 +64,49 @@ void check_callable(const F& f) {
 }
 }  // namespace detail
 
+// Cancels a fiber without owning it: copyable, usable from any thread, and available for fibers
+// started with `go` (which have no JoinHandle). Keeps only the fiber's control block alive, not
+// the fiber. Get one from JoinHandle::cancel_token() or this_fiber::cancel_token().
+//
+//   fiber::CancelToken tok;
+//   go [&tok] { tok = fiber::this_fiber::cancel_token(); serve(); };
+//   ...
+//   tok.cancel();   // serve()'s blocking calls now end with Cancelled / -ECANCELED
+class CancelToken {
+ public:
+  CancelToken() noexcept = default;
+  CancelToken(const CancelToken& o) noexcept : f_(o.f_) {
+    if (f_) detail::fiber_retain(f_);
+  }
+  CancelToken(CancelToken&& o) noexcept : f_(std::exchange(o.f_, nullptr)) {}
+  CancelToken& operator=(CancelToken o) noexcept {
+    std::swap(f_, o.f_);
+    return *this;
+  }
+  ~CancelToken() {
+    if (f_) detail::fiber_release(f_);
+  }
+  // Cancels the fiber, as JoinHandle::cancel(). No effect on a finished fiber or an empty token.
+  void cancel() const noexcept {
+    if (f_) detail::fiber_cancel(f_);
+  }
+  bool valid() const noexcept { return f_ != nullptr; }
+
+ private:
+  template <typename T>
+  friend class JoinHandle;
+  friend CancelToken this_fiber_cancel_token();
+  explicit CancelToken(detail::Fiber* retained) noexcept : f_(retained) {}
+  detail::Fiber* f_ = nullptr;
+};
+
+// this_fiber::cancel_token(): see fiber/this_fiber.hpp.
+inline CancelToken this_fiber_cancel_token() { return CancelToken(detail::fiber_current_retained()); }
+namespace this_fiber {
+// A token that cancels the calling fiber; an empty token from a plain thread.
+inline CancelToken cancel_token() { return this_fiber_cancel_token(); }
+}  // namespace this_fiber
+
 // The owner's handle on a spawned fiber. Move-only. Destroying it without join() detaches.
 template <typename T>
 class JoinHandle {
@@ -111,6 +154,11 @@ class JoinHandle {
   // Cancels the fiber: its current and later blocking calls throw fiber::Cancelled.
   void cancel() noexcept {
     if (f_) detail::fiber_cancel(f_);
+  }
+  // A token that cancels this fiber and outlives the handle (empty for an empty handle).
+  CancelToken cancel_token() const noexcept {
+    if (f_) detail::fiber_retain(f_);
+    return CancelToken(f_);
   }
 
  private:

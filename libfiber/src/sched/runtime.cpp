@@ -292,6 +292,14 @@ void fiber_detach(Fiber* f) noexcept {
 
 void fiber_release(Fiber* f) noexcept { drop_fiber_ref(f); }
 
+void fiber_retain(Fiber* f) noexcept { f->refs.fetch_add(1, std::memory_order_relaxed); }
+
+Fiber* fiber_current_retained() noexcept {
+  Fiber* f = current_fiber();
+  if (f) fiber_retain(f);
+  return f;
+}
+
 unsigned long long fiber_id(const Fiber* f) noexcept { return f->id; }
 
 void fiber_cancel(Fiber* f) noexcept {

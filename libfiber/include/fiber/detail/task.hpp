@@ -30,15 +30,21 @@ struct ResultSlot<void> : TaskBase {};
 
 template <typename F, typename T>
 struct TaskImpl final : ResultSlot<T> {
-  explicit TaskImpl(F&& f) : fn(std::move(f)) {}
+  explicit TaskImpl(F&& f) : fn(std::in_place, std::move(f)) {}
+  // The callable (and what it captured) is destroyed as soon as it returns or throws, on the
+  // fiber itself - not when the last handle or token on the control block goes away.
   void run() override {
+    struct Drop {
+      std::optional<F>& fn;
+      ~Drop() { fn.reset(); }
+    } drop{fn};
     if constexpr (std::is_void_v<T>) {
-      fn();
+      (*fn)();
     } else {
-      this->value.emplace(fn());
+      this->value.emplace((*fn)());
     }
   }
-  F fn;
+  std::optional<F> fn;
 };
 
 struct SpawnRequest;  // fiber/spawn.hpp
@@ -58,6 +64,10 @@ FIBER_API bool fiber_finished(const Fiber* f) noexcept;
 FIBER_API void fiber_detach(Fiber* f) noexcept;
 // Drops the handle's reference after a join.
 FIBER_API void fiber_release(Fiber* f) noexcept;
+// One more reference to the control block (a CancelToken's); fiber_release drops it.
+FIBER_API void fiber_retain(Fiber* f) noexcept;
+// The calling fiber, with a reference taken for the caller; nullptr from a plain thread.
+FIBER_API Fiber* fiber_current_retained() noexcept;
 FIBER_API unsigned long long fiber_id(const Fiber* f) noexcept;
 // Requests cancellation: the fiber's current and later parks end with fiber::Cancelled.
 FIBER_API void fiber_cancel(Fiber* f) noexcept;
