@@ -6,11 +6,13 @@
 // Usage: fiber-bench WORKLOAD [N]. Each run is a fresh process; times are taken inside the
 // process around the workload only, with the steady clock. "_1t" workloads and yield use one
 // processor, the others one per core (nproc). Beyond the peers' suite: idle_1m_compact (idle_1m
-// with compact stacks) and mutex (a contended fiber::Mutex).
+// with compact stacks), mutex (a contended fiber::Mutex) and fileread (io::pread through the
+// ring against plain pread).
 #include <fiber/fiber.hpp>
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -201,6 +203,69 @@ void mutex_contended(long n) {
   std::printf("workload=mutex impl=libfiber value=%.1f unit=ns/lock extra=locks=%ld,fibers=%ld\n", ns, n, workers);
 }
 
+// fileread (ours only): 4 KiB reads at random offsets of a 64 MiB file in the page cache.
+// 64 fibers on one processor share n io::pread calls (through the ring); then one plain thread
+// makes n ::pread calls, the baseline. Two lines: impl=libfiber and impl=pread.
+void fileread(long n) {
+  constexpr std::size_t kFile = 64 << 20, kBlock = 4096;
+  char path[] = "/tmp/fiber-bench-XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) fail("fileread: mkstemp failed");
+  unlink(path);
+  {
+    std::string block(1 << 20, 'x');
+    for (std::size_t off = 0; off < kFile; off += block.size()) {
+      if (::pwrite(fd, block.data(), block.size(), static_cast<off_t>(off)) != static_cast<ssize_t>(block.size())) {
+        fail("fileread: cannot write the file");
+      }
+    }
+  }
+  auto offset = [](uint64_t& x) {  // xorshift: a fresh block each time, no locking
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return static_cast<off_t>((x % (kFile / kBlock)) * kBlock);
+  };
+  // Warm the page cache once so both sides read from memory.
+  {
+    char buf[kBlock];
+    for (std::size_t off = 0; off < kFile; off += kBlock) (void)::pread(fd, buf, kBlock, static_cast<off_t>(off));
+  }
+  fiber::Scheduler s({.processors = 1, .name = "bench"});
+  constexpr long kFibers = 64;
+  std::atomic<long> bad{0};
+  double fiber_ns = 0;
+  fiber::block_on({.scheduler = &s}, [&] {
+    const auto t0 = Clock::now();
+    fiber::WaitGroup wg;
+    wg.add(kFibers);
+    for (long w = 0; w < kFibers; ++w) {
+      go [&, w] {
+        char buf[kBlock];
+        uint64_t x = 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(w);
+        for (long i = w; i < n; i += kFibers) {
+          if (fiber::io::pread(fd, buf, kBlock, offset(x)) != static_cast<ssize_t>(kBlock)) ++bad;
+        }
+        wg.done();
+      };
+    }
+    wg.wait();
+    fiber_ns = ns_since(t0) / static_cast<double>(n);
+  });
+  const auto t0 = Clock::now();
+  char buf[kBlock];
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (long i = 0; i < n; ++i) {
+    if (::pread(fd, buf, kBlock, offset(x)) != static_cast<ssize_t>(kBlock)) ++bad;
+  }
+  const double plain_ns = ns_since(t0) / static_cast<double>(n);
+  ::close(fd);
+  if (bad.load() != 0) fail("fileread: short or failed reads");
+  std::printf("workload=fileread impl=libfiber value=%.1f unit=ns/read extra=reads=%ld,block=4096,fibers=%ld,procs=1\n",
+              fiber_ns, n, kFibers);
+  std::printf("workload=fileread impl=pread value=%.1f unit=ns/read extra=reads=%ld,block=4096,threads=1\n", plain_ns, n);
+}
+
 struct Workload {
   long default_n;
   std::function<void(long)> run;
@@ -219,6 +284,7 @@ std::map<std::string, Workload> workloads() {
       {"idle_1m", {1'000'000, [](long n) { idle("idle_1m", n, 0); }}},
       {"idle_1m_compact", {1'000'000, [](long n) { idle("idle_1m_compact", n, fiber::compact_stack_size); }}},
       {"mutex", {2'000'000, [](long n) { mutex_contended(n); }}},
+      {"fileread", {1'000'000, [](long n) { fileread(n); }}},
   };
 }
 
