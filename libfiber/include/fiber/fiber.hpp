@@ -2,6 +2,7 @@
 #pragma once
 
 #include "fiber/block_on.hpp"
+#include "fiber/blocking.hpp"
 #include "fiber/config.hpp"
 #include "fiber/error.hpp"
 #include "fiber/scheduler.hpp"

@@ -15,6 +15,9 @@
 // If the operation completed anyway, its result stands (no data is lost to a deadline).
 #include "fiber/io.hpp"
 
+#include "fiber/blocking.hpp"
+#include "fiber/error.hpp"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -220,6 +223,19 @@ ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& 
   }
 }
 
+// A regular-file call on the epoll engine, which cannot wait for files: on the blocking-offload
+// pool while the fiber parks.
+template <typename Call>
+ssize_t offload(Call&& call) noexcept {
+  try {
+    return fiber::blocking([&]() noexcept { return call(); });
+  } catch (const fiber::Cancelled&) {
+    return -ECANCELED;
+  } catch (...) {
+    return -ENOMEM;  // no helper thread could be started
+  }
+}
+
 enum class FdKind { Socket, File, Other, Bad };
 
 FdKind classify(int fd) noexcept {
@@ -244,7 +260,7 @@ ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadli
   switch (classify(fd)) {
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
-    case FdKind::File: return plain();  // TODO(blocking pool): offload on the epoll engine
+    case FdKind::File: return f ? offload(plain) : plain();
     case FdKind::Other: return ready_loop(f, fd, events, dl, !is_nonblocking(fd), plain);
   }
   return -EBADF;
@@ -368,7 +384,8 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
   if (detail::path_of(f, dl) == Path::Uring) {
     return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
   }
-  return sys(::pread(fd, buf, n, off));  // TODO(blocking pool) on the epoll engine
+  if (f != nullptr) return detail::offload([&] { return sys(::pread(fd, buf, n, off)); });
+  return sys(::pread(fd, buf, n, off));
 }
 
 ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexcept {
@@ -378,7 +395,8 @@ ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexce
   if (detail::path_of(f, dl) == Path::Uring) {
     return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
   }
-  return sys(::pwrite(fd, buf, n, off));  // TODO(blocking pool) on the epoll engine
+  if (f != nullptr) return detail::offload([&] { return sys(::pwrite(fd, buf, n, off)); });
+  return sys(::pwrite(fd, buf, n, off));
 }
 
 ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline dl) noexcept {

@@ -1,6 +1,9 @@
 // fiber::net: TCP over fiber::io. See fiber/net.hpp.
 #include "fiber/net.hpp"
 
+#include "fiber/blocking.hpp"
+#include "fiber/error.hpp"
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -108,12 +111,17 @@ Result<Address> resolve(std::string_view host_port) {
     a.len = sizeof(sockaddr_in6);
     return a;
   }
-  // A name: getaddrinfo blocks (TODO: run it on the blocking-offload pool inside a fiber).
+  // A name: getaddrinfo blocks (DNS), so inside a fiber it runs on the blocking-offload pool.
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  const int rc = getaddrinfo(h.c_str(), nullptr, &hints, &res);
+  int rc;
+  try {
+    rc = fiber::blocking([&] { return getaddrinfo(h.c_str(), nullptr, &hints, &res); });
+  } catch (const fiber::Cancelled&) {
+    return Result<Address>::failure(ECANCELED, "fiber::net: resolving " + quoted(host) + ": cancelled");
+  }
   if (rc != 0 || res == nullptr) {
     return Result<Address>::failure(rc == EAI_SYSTEM ? errno : EHOSTUNREACH,
                                     "fiber::net: cannot resolve " + quoted(host) + ": " + gai_strerror(rc));
