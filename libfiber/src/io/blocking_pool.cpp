@@ -7,11 +7,10 @@
 // Waiter - so a call allocates nothing.
 //
 // The caller waits shielded (waiter_prepare_shielded): the helper uses the caller's stack until
-// the job's end, so a cancel must not resume the fiber earlier. Waking the fiber is not the
-// helper's last step either: unpark() enqueues the fiber and then goes on to wake a processor of
-// its scheduler, and meanwhile the fiber may run, finish, and its scheduler be destroyed. So the
-// helper sets the job's `released` flag after the wake, and the fiber, once resumed, waits for
-// that flag before it leaves blocking_run (a few instructions, rarely more than a spin or two).
+// the job's end, so a cancel must not resume the fiber earlier. The wake is the helper's last
+// touch of the job. unpark() goes on to wake a processor of the fiber's scheduler after the
+// fiber is queued - meanwhile the fiber may run and finish - but such a foreign wake is counted,
+// and Scheduler::stop() waits for it to end (SchedulerImpl::foreign_wake_begin).
 //
 // Threads: a job that finds no idle thread for it starts one, up to max_threads; past that it
 // queues for a busy thread, which looks at the queue before it idles. An idle thread exits after
@@ -57,9 +56,6 @@ struct Job {
   void* arg;
   Waiter waiter;        // the caller's, prepared shielded before the job is queued
   Job* next = nullptr;  // queue link; GUARDED_BY(Pool::mu_)
-  // Set (release) by the helper once it is done with the job and with the waiter's wake; the
-  // fiber's acquire load of true is the end of the helper's use of its stack and scheduler.
-  std::atomic<bool> released{false};
 };
 
 class Pool {
@@ -152,10 +148,9 @@ void Pool::worker() noexcept {
     Job* job = pop();
     lock.unlock();
     job->run(job->arg);
-    // The claim (acq_rel) publishes what run() wrote on the caller's stack; the wake enqueues
-    // the caller, which then waits for `released` before it returns.
+    // The claim (acq_rel) publishes what run() wrote on the caller's stack; after the wake the
+    // job may be gone.
     waiter_notify(job->waiter);
-    job->released.store(true, std::memory_order_release);  // the job may be gone from here on
     lock.lock();
   }
   --threads_;
@@ -232,14 +227,6 @@ void blocking_run(void (*run)(void*) noexcept, void* arg) {
     std::fprintf(stderr, "libfiber: broken invariant: a blocking() wait ended before its job (reason %d)\n",
                  static_cast<int>(r));
     std::abort();
-  }
-  // The helper may still be inside the wake, touching this fiber's control block and scheduler.
-  for (int spins = 0; !job.released.load(std::memory_order_acquire); ++spins) {
-    if (spins < 128) {
-      __builtin_ia32_pause();
-    } else {
-      sched_yield();
-    }
   }
 }
 

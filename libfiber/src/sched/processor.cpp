@@ -597,12 +597,18 @@ void unpark(Fiber* f) noexcept {
     }
   }
   Processor* p = current_processor();
-  if (f->pinned != nullptr) {
-    if (p == f->pinned) p->schedule_local(f); else f->pinned->push_inbox(f);
-  } else if (p != nullptr && &p->sched() == f->sched) {
+  if (f->pinned != nullptr && p == f->pinned) {
+    p->schedule_local(f);
+  } else if (f->pinned == nullptr && p != nullptr && &p->sched() == f->sched) {
     p->schedule_local(f);
   } else {
-    f->sched->inject(f);
+    // From another thread: once published, `f` may finish and its scheduler stop before we
+    // are out of inject()/push_inbox(). Read everything first; stop() waits for the end mark.
+    SchedulerImpl* s = f->sched;
+    Processor* pinned = f->pinned;
+    s->foreign_wake_begin();
+    if (pinned != nullptr) pinned->push_inbox(f); else s->inject(f);
+    s->foreign_wake_end();
   }
 }
 

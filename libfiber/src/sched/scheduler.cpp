@@ -164,6 +164,9 @@ void SchedulerImpl::stop() {
   const uint32_t n = processor_slots();
   for (uint32_t i = 0; i < n; ++i) processors_[i]->request_shutdown();
   for (uint32_t i = 0; i < n; ++i) processors_[i]->join();
+  // A waker from outside may still be inside inject()/push_inbox() for a fiber that has since
+  // finished: let it leave before the processors and queues go away.
+  while (foreign_wakes_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
   stopped_.store(true, std::memory_order_release);
 }
 

@@ -57,6 +57,12 @@ class SchedulerImpl {
 
   void stop();
   bool stopping() const noexcept { return stopping_.load(std::memory_order_acquire); }
+  // A thread outside this scheduler (a plain thread, a blocking-pool helper, another
+  // scheduler's processor) is making one of our fibers runnable. Once it has, the fiber may
+  // run, finish, and let stop() and ~Scheduler go ahead while the waker is still inside
+  // inject() or push_inbox(); stop() therefore waits for foreign wakes in progress to end.
+  void foreign_wake_begin() noexcept { foreign_wakes_.fetch_add(1, std::memory_order_acq_rel); }
+  void foreign_wake_end() noexcept { foreign_wakes_.fetch_sub(1, std::memory_order_acq_rel); }
 
   const std::string& name() const noexcept { return name_; }
   // Options::processors: started with the scheduler, never retire.
@@ -105,6 +111,9 @@ class SchedulerImpl {
   std::atomic<uint32_t> slots_{0};  // see processor_slots(); stored with release after the slot is made
   std::atomic<bool> stopping_{false};
   std::atomic<bool> stopped_{false};
+  // Foreign wakes in progress (see foreign_wake_begin). Incremented before the fiber is
+  // published, so a stop() that saw the fiber finish also sees the increment.
+  std::atomic<uint32_t> foreign_wakes_{0};
   // Last: destroyed first, while the processors it watches still exist.
   std::unique_ptr<Monitor> monitor_;
 };
