@@ -80,6 +80,9 @@ FIBER_API int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags = 0, 
 // connect(2) to completion: 0 once connected, else -errno (-ECONNREFUSED, -ETIMEDOUT, ...).
 // A deadline that passes leaves the socket unusable; close it.
 FIBER_API int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline deadline = {}) noexcept;
+// Waits until `fd` is ready for `events` (POLLIN, POLLOUT, ...): the revents (> 0, as poll(2)
+// reports them, including POLLERR/POLLHUP/POLLNVAL), or -errno (-ETIMEDOUT, -ECANCELED, ...).
+FIBER_API int poll(int fd, short events, Deadline deadline = {}) noexcept;
 // close(2). Fibers waiting in a call on `fd` first end with -EBADF; the descriptor is closed
 // once none of them still uses it. 0 or -errno.
 FIBER_API int close(int fd) noexcept;

@@ -34,6 +34,12 @@ class FdTable {
   static constexpr int kChunks = 256;
   static constexpr int kMaxFds = kChunks << kChunkBits;  // 1,048,576
 
+  // The slot of `fd` if its chunk exists (no allocation); nullptr otherwise.
+  FdSlot* find(int fd) noexcept {
+    if (fd < 0 || fd >= kMaxFds) return nullptr;
+    FdSlot* chunk = chunks_[fd >> kChunkBits].load(std::memory_order_acquire);
+    return chunk == nullptr ? nullptr : &chunk[fd & ((1 << kChunkBits) - 1)];
+  }
   // The slot of `fd`, or nullptr if fd is negative or beyond kMaxFds.
   FdSlot* slot(int fd) noexcept {
     if (fd < 0 || fd >= kMaxFds) return nullptr;

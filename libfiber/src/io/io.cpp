@@ -29,6 +29,7 @@
 #include <new>
 
 #include "io/fd_table.hpp"
+#include "io/raw.hpp"
 #include "io/poller.hpp"
 #include "sched/fiber.hpp"
 #include "sched/processor.hpp"
@@ -73,7 +74,6 @@ namespace {
 
 // ------------------------------------------------------------------------------ helpers
 
-inline ssize_t sys(ssize_t rc) noexcept { return rc < 0 ? -errno : rc; }
 
 bool cancel_requested(const Fiber* f) noexcept {
   return WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled;
@@ -198,9 +198,9 @@ int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept 
       ts = {static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
       tsp = &ts;
     }
-    const int rc = ppoll(&p, 1, tsp, nullptr);
+    const int rc = raw::ppoll(&p, 1, tsp);
     if (rc > 0) return (p.revents & POLLNVAL) ? -EBADF : 0;  // ERR/HUP: the call will say what
-    if (rc < 0 && errno != EINTR) return -errno;
+    if (rc < 0 && rc != -EINTR) return rc;
   }
 }
 
@@ -247,7 +247,7 @@ FdKind classify(int fd) noexcept {
 }
 
 bool is_nonblocking(int fd) noexcept {
-  const int fl = fcntl(fd, F_GETFL);
+  const int fl = raw::fcntl(fd, F_GETFL);
   return fl >= 0 && (fl & O_NONBLOCK) != 0;
 }
 
@@ -286,7 +286,7 @@ msghdr iov_msg(const iovec* iov, int iovcnt) noexcept {
 
 // A socket send made at once when the buffer has room; -ENOTSOCK for other descriptors.
 ssize_t send_now(int fd, const void* buf, size_t n, int flags) noexcept {
-  return sys(::send(fd, buf, n, flags | MSG_DONTWAIT | MSG_NOSIGNAL));
+  return raw::send(fd, buf, n, flags | MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
 }  // namespace
@@ -296,7 +296,7 @@ namespace fiber::io {
 
 using detail::Fiber;
 using detail::Path;
-using detail::sys;
+namespace raw = detail::raw;
 
 ssize_t read(int fd, void* buf, size_t n, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
@@ -307,10 +307,10 @@ ssize_t read(int fd, void* buf, size_t n, Deadline dl) noexcept {
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), -1); });
     case Path::Ready:
       return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return sys(::recv(fd, buf, n, MSG_DONTWAIT)); }, [&] { return sys(::read(fd, buf, n)); });
+          f, fd, EPOLLIN, dl, [&] { return raw::recv(fd, buf, n, MSG_DONTWAIT); }, [&] { return raw::read(fd, buf, n); });
     case Path::Thread: break;
   }
-  return sys(::read(fd, buf, n));
+  return raw::read(fd, buf, n);
 }
 
 ssize_t write(int fd, const void* buf, size_t n, Deadline dl) noexcept {
@@ -329,11 +329,11 @@ ssize_t write(int fd, const void* buf, size_t n, Deadline dl) noexcept {
     }
     case Path::Ready:
       return detail::transfer_ready(
-          f, fd, EPOLLOUT, dl, [&] { return detail::send_now(fd, buf, n, 0); }, [&] { return sys(::write(fd, buf, n)); });
+          f, fd, EPOLLOUT, dl, [&] { return detail::send_now(fd, buf, n, 0); }, [&] { return raw::write(fd, buf, n); });
     case Path::Thread: break;
   }
-  const ssize_t r = sys(::send(fd, buf, n, MSG_NOSIGNAL));
-  return r == -ENOTSOCK ? sys(::write(fd, buf, n)) : r;
+  const ssize_t r = raw::send(fd, buf, n, MSG_NOSIGNAL);
+  return r == -ENOTSOCK ? raw::write(fd, buf, n) : r;
 }
 
 ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
@@ -346,11 +346,11 @@ ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
     case Path::Ready: {
       msghdr m = detail::iov_msg(iov, iovcnt);
       return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return sys(::recvmsg(fd, &m, MSG_DONTWAIT)); }, [&] { return sys(::readv(fd, iov, iovcnt)); });
+          f, fd, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); }, [&] { return raw::readv(fd, iov, iovcnt); });
     }
     case Path::Thread: break;
   }
-  return sys(::readv(fd, iov, iovcnt));
+  return raw::readv(fd, iov, iovcnt);
 }
 
 ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
@@ -360,7 +360,7 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
   msghdr m = detail::iov_msg(iov, iovcnt);
   switch (detail::path_of(f, dl)) {
     case Path::Uring: {
-      const ssize_t r = sys(::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL));
+      const ssize_t r = raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (r == -EAGAIN) {
         return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, &m, MSG_NOSIGNAL); });
       }
@@ -369,12 +369,12 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
     }
     case Path::Ready:
       return detail::transfer_ready(
-          f, fd, EPOLLOUT, dl, [&] { return sys(::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL)); },
-          [&] { return sys(::writev(fd, iov, iovcnt)); });
+          f, fd, EPOLLOUT, dl, [&] { return raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL); },
+          [&] { return raw::writev(fd, iov, iovcnt); });
     case Path::Thread: break;
   }
-  const ssize_t r = sys(::sendmsg(fd, &m, MSG_NOSIGNAL));
-  return r == -ENOTSOCK ? sys(::writev(fd, iov, iovcnt)) : r;
+  const ssize_t r = raw::sendmsg(fd, &m, MSG_NOSIGNAL);
+  return r == -ENOTSOCK ? raw::writev(fd, iov, iovcnt) : r;
 }
 
 ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
@@ -384,8 +384,8 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
   if (detail::path_of(f, dl) == Path::Uring) {
     return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
   }
-  if (f != nullptr) return detail::offload([&] { return sys(::pread(fd, buf, n, off)); });
-  return sys(::pread(fd, buf, n, off));
+  if (f != nullptr) return detail::offload([&] { return raw::pread(fd, buf, n, off); });
+  return raw::pread(fd, buf, n, off);
 }
 
 ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexcept {
@@ -395,29 +395,29 @@ ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexce
   if (detail::path_of(f, dl) == Path::Uring) {
     return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
   }
-  if (f != nullptr) return detail::offload([&] { return sys(::pwrite(fd, buf, n, off)); });
-  return sys(::pwrite(fd, buf, n, off));
+  if (f != nullptr) return detail::offload([&] { return raw::pwrite(fd, buf, n, off); });
+  return raw::pwrite(fd, buf, n, off);
 }
 
 ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
-  if (flags & MSG_DONTWAIT) return sys(::recv(fd, buf, n, flags));
+  if (flags & MSG_DONTWAIT) return raw::recv(fd, buf, n, flags);
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   switch (detail::path_of(f, dl)) {
     case Path::Uring:
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recv(s, fd, buf, n, flags); });
     case Path::Ready:
-      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return sys(::recv(fd, buf, n, flags | MSG_DONTWAIT)); });
+      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return raw::recv(fd, buf, n, flags | MSG_DONTWAIT); });
     case Path::Thread: break;
   }
-  return sys(::recv(fd, buf, n, flags));
+  return raw::recv(fd, buf, n, flags);
 }
 
 ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
   flags |= MSG_NOSIGNAL;
-  if (flags & MSG_DONTWAIT) return sys(::send(fd, buf, n, flags));
+  if (flags & MSG_DONTWAIT) return raw::send(fd, buf, n, flags);
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   switch (detail::path_of(f, dl)) {
@@ -430,39 +430,39 @@ ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline dl) noexcept
       return detail::ready_loop(f, fd, EPOLLOUT, dl, false, [&] { return detail::send_now(fd, buf, n, flags); });
     case Path::Thread: break;
   }
-  return sys(::send(fd, buf, n, flags));
+  return raw::send(fd, buf, n, flags);
 }
 
 ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline dl) noexcept {
-  if (flags & MSG_DONTWAIT) return sys(::recvmsg(fd, msg, flags));
+  if (flags & MSG_DONTWAIT) return raw::recvmsg(fd, msg, flags);
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   switch (detail::path_of(f, dl)) {
     case Path::Uring:
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recvmsg(s, fd, msg, static_cast<unsigned>(flags)); });
     case Path::Ready:
-      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return sys(::recvmsg(fd, msg, flags | MSG_DONTWAIT)); });
+      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return raw::recvmsg(fd, msg, flags | MSG_DONTWAIT); });
     case Path::Thread: break;
   }
-  return sys(::recvmsg(fd, msg, flags));
+  return raw::recvmsg(fd, msg, flags);
 }
 
 ssize_t sendmsg(int fd, const msghdr* msg, int flags, Deadline dl) noexcept {
   flags |= MSG_NOSIGNAL;
-  if (flags & MSG_DONTWAIT) return sys(::sendmsg(fd, msg, flags));
+  if (flags & MSG_DONTWAIT) return raw::sendmsg(fd, msg, flags);
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   switch (detail::path_of(f, dl)) {
     case Path::Uring: {
-      const ssize_t r = sys(::sendmsg(fd, msg, flags | MSG_DONTWAIT));
+      const ssize_t r = raw::sendmsg(fd, msg, flags | MSG_DONTWAIT);
       if (r != -EAGAIN) return r;
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, msg, static_cast<unsigned>(flags)); });
     }
     case Path::Ready:
-      return detail::ready_loop(f, fd, EPOLLOUT, dl, false, [&] { return sys(::sendmsg(fd, msg, flags | MSG_DONTWAIT)); });
+      return detail::ready_loop(f, fd, EPOLLOUT, dl, false, [&] { return raw::sendmsg(fd, msg, flags | MSG_DONTWAIT); });
     case Path::Thread: break;
   }
-  return sys(::sendmsg(fd, msg, flags));
+  return raw::sendmsg(fd, msg, flags);
 }
 
 int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) noexcept {
@@ -476,10 +476,10 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
       // A blocking listener would block in accept4 even after readiness if another thread took
       // the connection first; wait for readiness before each try then, and hope for the best.
       return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, !detail::is_nonblocking(fd),
-                                                 [&] { return sys(::accept4(fd, addr, addrlen, flags)); }));
+                                                 [&] { return raw::accept4(fd, addr, addrlen, flags); }));
     case Path::Thread: break;
   }
-  return static_cast<int>(sys(::accept4(fd, addr, addrlen, flags)));
+  return static_cast<int>(raw::accept4(fd, addr, addrlen, flags));
 }
 
 int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexcept {
@@ -489,12 +489,14 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
   if (path == Path::Uring) {
     return static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_connect(s, fd, addr, addrlen); }));
   }
-  if (path == Path::Thread) return static_cast<int>(sys(::connect(fd, addr, addrlen)));
+  if (path == Path::Thread) return static_cast<int>(raw::connect(fd, addr, addrlen));
   // Readiness: connect non-blocking, wait until writable, then read the outcome.
-  const int fl = fcntl(fd, F_GETFL);
-  if (fl < 0) return -errno;
-  if (!(fl & O_NONBLOCK) && fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) return -errno;
-  int rc = static_cast<int>(sys(::connect(fd, addr, addrlen)));
+  const int fl = raw::fcntl(fd, F_GETFL);
+  if (fl < 0) return fl;
+  if (!(fl & O_NONBLOCK)) {
+    if (const int rc = raw::fcntl(fd, F_SETFL, fl | O_NONBLOCK); rc != 0) return rc;
+  }
+  int rc = static_cast<int>(raw::connect(fd, addr, addrlen));
   if (rc == -EINPROGRESS) {
     rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
     if (rc == 0) {
@@ -503,13 +505,51 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
       rc = getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 ? -errno : -err;
     }
   }
-  if (!(fl & O_NONBLOCK)) fcntl(fd, F_SETFL, fl);
+  if (!(fl & O_NONBLOCK)) raw::fcntl(fd, F_SETFL, fl);
   return rc;
 }
 
+int poll(int fd, short events, Deadline dl) noexcept {
+  if (fd < 0) return -EBADF;
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  pollfd p{fd, events, 0};
+  if (f == nullptr && dl.is_none()) {
+    for (;;) {
+      const int rc = raw::ppoll(&p, 1, nullptr);
+      if (rc > 0) return p.revents;
+      if (rc < 0 && rc != -EINTR) return rc;
+    }
+  }
+  if (const int rc = raw::poll_now(&p, 1); rc != 0) return rc < 0 ? rc : p.revents;  // ready now
+  if (detail::path_of(f, dl) == Path::Uring) {
+    return static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) {
+      io_uring_prep_poll_add(s, fd, static_cast<unsigned>(static_cast<unsigned short>(events)));
+    }));
+  }
+  if (f == nullptr) {  // a plain thread with a deadline: ppoll until then
+    for (;;) {
+      const auto left = dl.at() - std::chrono::steady_clock::now();
+      if (left <= left.zero()) return -ETIMEDOUT;
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+      const int rc = raw::ppoll(&p, 1, &ts);
+      if (rc > 0) return p.revents;
+      if (rc < 0 && rc != -EINTR) return rc;
+    }
+  }
+  uint32_t want = 0;
+  if (events & (POLLOUT | POLLWRBAND)) want |= static_cast<uint32_t>(EPOLLOUT);
+  if (events & ~(POLLOUT | POLLWRBAND)) want |= static_cast<uint32_t>(EPOLLIN);
+  if (const int rc = detail::wait_ready(f, fd, want, dl); rc < 0) return rc;
+  const int rc = raw::poll_now(&p, 1);  // what exactly is ready
+  return rc < 0 ? rc : (rc == 0 ? events : p.revents);
+}
+
 int close(int fd) noexcept {
-  detail::FdSlot* slot = detail::fd_table().slot(fd);
-  if (slot == nullptr) return static_cast<int>(sys(::close(fd)));
+  // No slot yet: no fiber operation was ever listed on this descriptor's range.
+  detail::FdSlot* slot = detail::fd_table().find(fd);
+  if (slot == nullptr) return static_cast<int>(raw::close(fd));
   {
     std::unique_lock lock(slot->lock);
     if (slot->closing) return -EBADF;  // closed twice, concurrently
@@ -530,7 +570,7 @@ int close(int fd) noexcept {
       slot->closers.remove_if_queued(&w);
     }
   }
-  const int rc = static_cast<int>(sys(::close(fd)));
+  const int rc = static_cast<int>(raw::close(fd));
   std::lock_guard lock(slot->lock);
   slot->closing = false;
   return rc;

@@ -1,5 +1,7 @@
 #include "io/poller.hpp"
 
+#include "io/raw.hpp"
+
 #include <liburing.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -49,7 +51,7 @@ UringPoller::UringPoller(int efd, io_uring ring) noexcept : Poller(PollerKind::U
 
 UringPoller::~UringPoller() {
   io_uring_queue_exit(&ring_);
-  close(event_fd_);
+  raw::close(event_fd_);
 }
 
 int UringPoller::setup(io_uring* ring) noexcept {
@@ -160,8 +162,8 @@ void UringPoller::arm() noexcept {
 EpollPoller::EpollPoller(int efd, int epfd) noexcept : Poller(PollerKind::Epoll, efd), epfd_(epfd) {}
 
 EpollPoller::~EpollPoller() {
-  close(epfd_);
-  close(event_fd_);
+  raw::close(epfd_);
+  raw::close(event_fd_);
 }
 
 // fds are registered with data.u64 = fd + 2, so they never collide with the wake tag.
@@ -267,7 +269,7 @@ IoChoice io_choice() {
 std::unique_ptr<Poller> make_epoll(int efd) {
   int epfd = epoll_create1(EPOLL_CLOEXEC);
   if (epfd < 0) {
-    close(efd);
+    raw::close(efd);
     throw ResourceError(std::string("fiber: epoll_create1 failed: ") + std::strerror(errno));
   }
   epoll_event ev{};
@@ -284,12 +286,12 @@ std::atomic<bool> g_said_fallback{false};
 void Poller::wake() noexcept {
   const uint64_t one = 1;
   // EAGAIN (counter saturated) still leaves the fd readable: the wake is not lost.
-  [[maybe_unused]] ssize_t rc = write(event_fd_, &one, sizeof one);
+  raw::write(event_fd_, &one, sizeof one);
 }
 
 void Poller::drain_eventfd() noexcept {
   uint64_t v;
-  [[maybe_unused]] ssize_t rc = read(event_fd_, &v, sizeof v);
+  raw::read(event_fd_, &v, sizeof v);
 }
 
 void Poller::validate_env() { (void)io_choice(); }
@@ -305,10 +307,10 @@ std::unique_ptr<Poller> Poller::create() {
   const int rc = UringPoller::setup(&ring);
   if (rc == 0) return std::make_unique<UringPoller>(efd, ring);
   if (choice == IoChoice::Uring) {
-    close(efd);
+    raw::close(efd);
     throw ResourceError(std::string("fiber: FIBER_IO=uring but io_uring setup failed: ") + std::strerror(-rc));
   }
-  close(efd);
+  raw::close(efd);
   if (!g_said_fallback.exchange(true)) {
     std::fprintf(stderr, "libfiber: io_uring unavailable (%s); using the epoll engine\n", std::strerror(-rc));
   }

@@ -1,5 +1,6 @@
 // The blocked-processor watchdog. The design is in monitor.hpp and libfiber/README.md
 // ("Watchdog"); this file is the sampling loop, the rescue, the decision and the report.
+#include "io/raw.hpp"
 #include "sched/monitor.hpp"
 
 #include <dlfcn.h>
@@ -117,8 +118,8 @@ ThreadProbe probe_thread(int tid) noexcept {
   const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return r;
   char buf[256];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
+  const ssize_t n = raw::read(fd, buf, sizeof buf - 1);
+  raw::close(fd);
   if (n <= 0) return r;
   buf[n] = '\0';
   if (std::strncmp(buf, "running", 7) == 0) {
@@ -213,7 +214,7 @@ void default_sink(const BlockedReport& r) {
       r.fiber_name.empty() ? "" : "'", static_cast<double>(r.running_for.count()) / 1e6, r.processor,
       static_cast<int>(r.scheduler.size()), r.scheduler.data(), r.thread_id, r.queued, r.where.empty() ? "" : ": ",
       static_cast<int>(r.where.size()), r.where.data());
-  if (n > 0) [[maybe_unused]] auto rc = ::write(2, buf, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof buf - 1));
+  if (n > 0) [[maybe_unused]] auto rc = detail::raw::write(2, buf, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof buf - 1));
 }
 
 int64_t to_ns(std::chrono::microseconds d) noexcept {

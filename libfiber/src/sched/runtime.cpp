@@ -1,5 +1,6 @@
 // The public entry points behind spawn, JoinHandle, block_on and this_fiber, and the fiber
 // lifecycle (create -> submit -> run -> complete -> destroy).
+#include "io/raw.hpp"
 #include "sched/runtime.hpp"
 
 #include <unistd.h>
@@ -330,7 +331,7 @@ void report_stack_overflow(const Fiber* f) noexcept {
                               static_cast<unsigned long long>(f->id), f->name ? " '" : "", f->name ? f->name : "",
                               f->name ? "'" : "", f->stack.size,
                               f->stack.kind == StackKind::Guarded ? "guarded" : "unguarded");
-  if (n > 0) [[maybe_unused]] auto rc = ::write(2, buf, static_cast<std::size_t>(std::min(n, 255)));
+  if (n > 0) [[maybe_unused]] auto rc = detail::raw::write(2, buf, static_cast<std::size_t>(std::min(n, 255)));
   std::abort();
 }
 

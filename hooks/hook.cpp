@@ -1,0 +1,775 @@
+// libfiber_hook: blocking libc calls made inside a fiber park the fiber instead of its thread.
+//
+//   LD_PRELOAD=libfiber_hook.so ./server     (the program links libfiber.so)
+//   or link libfiber_hook.a whole-archive     (target libfiber::fiber_hook_static)
+//
+// Every hooked call first asks whether it may park: only inside a fiber running on a processor,
+// not in the child after fork, not before the runtime has started. Everywhere else it is the
+// real call - through the pointer dlsym(RTLD_NEXT) resolved in an early constructor, or a raw
+// syscall() before that - and allocates nothing.
+//
+// Inside a fiber the caller keeps the semantics it knows:
+// - A descriptor it made non-blocking (SOCK_NONBLOCK, O_NONBLOCK via fcntl, FIONBIO, accept4,
+//   pipe2) gets the real call, and EAGAIN. The runtime never changes a descriptor's flags: the
+//   io_uring engine waits on blocking descriptors natively.
+// - Timeouts are infinite unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry reads, writes and
+//   accept fail with EAGAIN, connect with EINPROGRESS. connect reports the real SO_ERROR.
+// - A blocking write writes everything (short writes loop), as on a blocking socket.
+// - errno is set after the last switch, through a non-inlined store: the fiber may have moved
+//   to another thread while it waited.
+// - close wakes fibers waiting on the descriptor (fiber::io::close); they see EBADF.
+//
+// What the hook knows of a descriptor (socket or not, non-blocking, timeouts) it learns from the
+// kernel the first time a fiber uses it, and forgets whenever a hooked call may change it
+// (fcntl, ioctl, setsockopt, close, dup2/dup3), so the kernel stays the source of truth.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/select.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdarg>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <fiber/blocking.hpp>
+#include <fiber/error.hpp>
+#include <fiber/io.hpp>
+#include <fiber/this_fiber.hpp>
+
+#include "hook_table.hpp"
+
+extern "C" {
+// Fortified variants (-D_FORTIFY_SOURCE) call these instead of the plain names.
+void __chk_fail(void) __attribute__((noreturn));
+}
+
+namespace {
+
+// ------------------------------------------------------------------------------ real functions
+
+#define FIBER_HOOK_POINTER(ret, name, params, args) \
+  using name##_fn = ret(*) params;                  \
+  name##_fn real_##name = nullptr;
+FIBER_HOOKS(FIBER_HOOK_POINTER)
+#undef FIBER_HOOK_POINTER
+
+std::atomic<bool> g_resolved{false};
+// Set in the child after fork: the runtime's threads do not exist there.
+std::atomic<bool> g_forked_child{false};
+
+void resolve_all() noexcept {
+#define FIBER_HOOK_RESOLVE(ret, name, params, args) \
+  real_##name = reinterpret_cast<name##_fn>(dlsym(RTLD_NEXT, #name));
+  FIBER_HOOKS(FIBER_HOOK_RESOLVE)
+#undef FIBER_HOOK_RESOLVE
+  // Every name must resolve; a libc without one is not one we can run on.
+  const char* missing = nullptr;
+#define FIBER_HOOK_CHECK(ret, name, params, args) \
+  if (real_##name == nullptr && missing == nullptr) missing = #name;
+  FIBER_HOOKS(FIBER_HOOK_CHECK)
+#undef FIBER_HOOK_CHECK
+  if (missing != nullptr) {
+    char msg[160];
+    const int n = std::snprintf(msg, sizeof msg, "libfiber_hook: cannot resolve the real %s; aborting\n", missing);
+    ::syscall(SYS_write, 2, msg, n);
+    std::abort();
+  }
+  g_resolved.store(true, std::memory_order_release);
+}
+
+__attribute__((constructor(101))) void hook_init() {
+  resolve_all();
+  pthread_atfork(nullptr, nullptr, [] { g_forked_child.store(true, std::memory_order_relaxed); });
+}
+
+// Library functions (not system calls) called before the constructor: resolve on demand.
+template <typename Fn>
+Fn lazy(Fn& slot, const char* name) noexcept {
+  if (slot == nullptr) slot = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
+  return slot;
+}
+
+// The real call: the resolved function, or the system call itself before resolution.
+#define REAL(name, sysno, ...) \
+  (real_##name ? real_##name(__VA_ARGS__) : static_cast<decltype(real_##name(__VA_ARGS__))>(::syscall(sysno, __VA_ARGS__)))
+
+// ------------------------------------------------------------------------------ when to park
+
+// The runtime makes its own system calls through syscall(2), never through these hooks, so a
+// hook never runs inside the scheduler; only user code in a fiber gets here with in_fiber().
+bool may_park() noexcept {
+  return g_resolved.load(std::memory_order_acquire) && !g_forked_child.load(std::memory_order_relaxed) &&
+         fiber::this_fiber::in_fiber();
+}
+
+// errno through a non-inlined store: __errno_location() is `const`, so the compiler may reuse
+// an address computed before a switch, which belonged to the thread the fiber ran on then.
+__attribute__((noinline)) void set_errno(int e) noexcept {
+  asm volatile("" ::: "memory");
+  errno = e;
+}
+__attribute__((noinline)) int get_errno() noexcept {
+  asm volatile("" ::: "memory");
+  return errno;
+}
+
+// -errno -> -1 with errno; `timeout_errno` replaces ETIMEDOUT (a SO_*TIMEO expiry).
+template <typename T>
+T finish(T r, int timeout_errno = EAGAIN) noexcept {
+  if (r >= 0) return r;
+  int e = static_cast<int>(-r);
+  if (e == ETIMEDOUT) e = timeout_errno;
+  set_errno(e);
+  return static_cast<T>(-1);
+}
+
+// ------------------------------------------------------------------------------ fd knowledge
+
+enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4 };
+
+struct FdInfo {
+  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock; 0: ask the kernel
+  std::atomic<int64_t> rcv_timeout{0};  // ns, 0: none
+  std::atomic<int64_t> snd_timeout{0};
+};
+
+constexpr int kChunkBits = 12;
+constexpr int kChunks = 256;
+std::atomic<FdInfo*> g_chunks[kChunks];  // published once each with a CAS, never freed
+
+FdInfo* find_info(int fd) noexcept {
+  if (fd < 0 || fd >= (kChunks << kChunkBits)) return nullptr;
+  FdInfo* c = g_chunks[fd >> kChunkBits].load(std::memory_order_acquire);
+  return c ? &c[fd & ((1 << kChunkBits) - 1)] : nullptr;
+}
+
+FdInfo* info(int fd) noexcept {
+  if (fd < 0 || fd >= (kChunks << kChunkBits)) return nullptr;
+  std::atomic<FdInfo*>& slot = g_chunks[fd >> kChunkBits];
+  FdInfo* c = slot.load(std::memory_order_acquire);
+  if (c == nullptr) {
+    // mmap, not malloc: zero-filled (all flags 0) and no allocator reentrancy.
+    void* mem = mmap(nullptr, sizeof(FdInfo) << kChunkBits, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) return nullptr;
+    FdInfo* expected = nullptr;
+    if (slot.compare_exchange_strong(expected, static_cast<FdInfo*>(mem), std::memory_order_acq_rel)) {
+      c = static_cast<FdInfo*>(mem);
+    } else {
+      munmap(mem, sizeof(FdInfo) << kChunkBits);
+      c = expected;
+    }
+  }
+  return &c[fd & ((1 << kChunkBits) - 1)];
+}
+
+void forget(int fd) noexcept {
+  if (FdInfo* i = find_info(fd)) i->flags.store(0, std::memory_order_relaxed);
+}
+
+int64_t timeval_ns(const timeval& tv) noexcept {
+  return static_cast<int64_t>(tv.tv_sec) * 1'000'000'000 + static_cast<int64_t>(tv.tv_usec) * 1000;
+}
+
+// What we know of `fd`, asking the kernel the first time. kKnown unset: unusable (bad fd).
+uint8_t learn(int fd, FdInfo*& out) noexcept {
+  FdInfo* i = info(fd);
+  out = i;
+  if (i == nullptr) return 0;
+  uint8_t f = i->flags.load(std::memory_order_relaxed);
+  if (f & kKnown) return f;
+  const long fl = ::syscall(SYS_fcntl, fd, F_GETFL, 0);
+  if (fl < 0) return 0;
+  struct stat st;
+  if (::syscall(SYS_fstat, fd, &st) != 0) return 0;
+  f = kKnown;
+  if (fl & O_NONBLOCK) f |= kNonblock;
+  if (S_ISSOCK(st.st_mode)) {
+    f |= kSocket;
+    timeval tv{};
+    socklen_t len = sizeof tv;
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &len) == 0) i->rcv_timeout.store(timeval_ns(tv), std::memory_order_relaxed);
+    len = sizeof tv;
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0) i->snd_timeout.store(timeval_ns(tv), std::memory_order_relaxed);
+  }
+  i->flags.store(f, std::memory_order_relaxed);
+  return f;
+}
+
+fiber::io::Deadline deadline_of(int64_t timeout_ns) noexcept {
+  if (timeout_ns <= 0) return {};
+  return fiber::io::Deadline(std::chrono::nanoseconds(timeout_ns));
+}
+
+// ------------------------------------------------------------------------------ transfers
+
+// A read-like call on a descriptor that may park. `now` tries without waiting (sockets:
+// MSG_DONTWAIT); `wait` is the fiber call with the receive deadline.
+template <typename Now, typename Wait>
+ssize_t park_read(int fd, Now&& now, Wait&& wait) noexcept {
+  FdInfo* i;
+  const uint8_t f = learn(fd, i);
+  if (!(f & kKnown) || (f & kNonblock)) return -2;  // the caller makes the real call
+  if (f & kSocket) {
+    const ssize_t r = now();
+    if (r >= 0 || get_errno() != EAGAIN) return r;
+  }
+  return finish(wait(deadline_of(i->rcv_timeout.load(std::memory_order_relaxed))));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ the hooks
+
+extern "C" {
+
+int socket(int domain, int type, int protocol) noexcept {
+  const int fd = REAL(socket, SYS_socket, domain, type, protocol);
+  if (fd >= 0) forget(fd);
+  return fd;
+}
+
+int socketpair(int domain, int type, int protocol, int sv[2]) noexcept {
+  const int rc = REAL(socketpair, SYS_socketpair, domain, type, protocol, sv);
+  if (rc == 0) {
+    forget(sv[0]);
+    forget(sv[1]);
+  }
+  return rc;
+}
+
+int pipe(int fds[2]) noexcept {
+  const int rc = REAL(pipe, SYS_pipe, fds);
+  if (rc == 0) {
+    forget(fds[0]);
+    forget(fds[1]);
+  }
+  return rc;
+}
+
+int pipe2(int fds[2], int flags) noexcept {
+  const int rc = REAL(pipe2, SYS_pipe2, fds, flags);
+  if (rc == 0) {
+    forget(fds[0]);
+    forget(fds[1]);
+  }
+  return rc;
+}
+
+int connect(int fd, const struct sockaddr* addr, socklen_t len) {
+  if (!may_park()) return REAL(connect, SYS_connect, fd, addr, len);
+  FdInfo* i;
+  const uint8_t f = learn(fd, i);
+  if (!(f & kKnown) || (f & kNonblock) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
+  return finish(fiber::io::connect(fd, addr, len, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))),
+                EINPROGRESS);
+}
+
+int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
+  if (!may_park()) return REAL(accept4, SYS_accept4, fd, addr, len, flags);
+  FdInfo* i;
+  const uint8_t f = learn(fd, i);
+  if (!(f & kKnown) || (f & kNonblock)) return REAL(accept4, SYS_accept4, fd, addr, len, flags);
+  const int r = finish(fiber::io::accept(fd, addr, len, flags, deadline_of(i->rcv_timeout.load(std::memory_order_relaxed))));
+  if (r >= 0) forget(r);
+  return r;
+}
+
+int accept(int fd, struct sockaddr* addr, socklen_t* len) { return accept4(fd, addr, len, 0); }
+
+ssize_t read(int fd, void* buf, size_t n) {
+  if (may_park()) {
+    const ssize_t r = park_read(
+        fd, [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, MSG_DONTWAIT, nullptr, nullptr); },
+        [&](fiber::io::Deadline d) { return fiber::io::read(fd, buf, n, d); });
+    if (r != -2) return r;
+  }
+  return REAL(read, SYS_read, fd, buf, n);
+}
+
+ssize_t readv(int fd, const struct iovec* iov, int cnt) {
+  if (may_park()) {
+    msghdr m{};
+    m.msg_iov = const_cast<iovec*>(iov);
+    m.msg_iovlen = static_cast<size_t>(cnt < 0 ? 0 : cnt);
+    const ssize_t r = park_read(
+        fd, [&] { return REAL(recvmsg, SYS_recvmsg, fd, &m, MSG_DONTWAIT); },
+        [&](fiber::io::Deadline d) { return fiber::io::readv(fd, iov, cnt, d); });
+    if (r != -2) return r;
+  }
+  return REAL(readv, SYS_readv, fd, iov, cnt);
+}
+
+ssize_t pread(int fd, void* buf, size_t n, off_t off) {
+  if (may_park()) {
+    FdInfo* i;
+    const uint8_t f = learn(fd, i);
+    if ((f & kKnown) && !(f & kNonblock)) return finish(fiber::io::pread(fd, buf, n, off));
+  }
+  return REAL(pread, SYS_pread64, fd, buf, n, off);
+}
+ssize_t pread64(int fd, void* buf, size_t n, off_t off) { return pread(fd, buf, n, off); }
+
+ssize_t recv(int fd, void* buf, size_t n, int flags) {
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    const ssize_t r = park_read(
+        fd, [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags | MSG_DONTWAIT, nullptr, nullptr); },
+        [&](fiber::io::Deadline d) { return fiber::io::recv(fd, buf, n, flags, d); });
+    if (r != -2) return r;
+  }
+  return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags, nullptr, nullptr);
+}
+
+ssize_t recvmsg(int fd, struct msghdr* msg, int flags) {
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    const ssize_t r = park_read(
+        fd, [&] { return REAL(recvmsg, SYS_recvmsg, fd, msg, flags | MSG_DONTWAIT); },
+        [&](fiber::io::Deadline d) { return fiber::io::recvmsg(fd, msg, flags, d); });
+    if (r != -2) return r;
+  }
+  return REAL(recvmsg, SYS_recvmsg, fd, msg, flags);
+}
+
+ssize_t recvfrom(int fd, void* buf, size_t n, int flags, struct sockaddr* addr, socklen_t* len) {
+  if (addr == nullptr) return recv(fd, buf, n, flags);
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    iovec iov{buf, n};
+    msghdr m{};
+    m.msg_name = addr;
+    m.msg_namelen = len ? *len : 0;
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    const ssize_t r = recvmsg(fd, &m, flags);
+    if (r >= 0 && len) *len = m.msg_namelen;
+    return r;
+  }
+  return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags, addr, len);
+}
+
+}  // extern "C"
+
+namespace {
+
+// A write-like call that blocks until everything is written (as a blocking socket does): one
+// try without waiting, then the fiber call with the send deadline for the rest. A timeout or
+// error after some bytes went out returns the count, as the kernel does.
+template <typename Now, typename Wait>
+ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
+  FdInfo* i;
+  const uint8_t f = learn(fd, i);
+  if (!(f & kKnown) || (f & kNonblock)) return -2;
+  if (!(f & kSocket)) return finish(wait(0, deadline_of(0)));  // pipes, files: one ring write
+  size_t done = 0;
+  const ssize_t r = now();
+  if (r < 0 && get_errno() != EAGAIN) return r;
+  if (r > 0) done = static_cast<size_t>(r);
+  const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
+  while (done < total) {
+    const ssize_t w = wait(done, d);
+    if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w);
+    done += static_cast<size_t>(w);
+  }
+  return static_cast<ssize_t>(done);
+}
+
+}  // namespace
+
+extern "C" {
+
+ssize_t write(int fd, const void* buf, size_t n) {
+  if (may_park()) {
+    const char* p = static_cast<const char*>(buf);
+    const ssize_t r = park_write(
+        fd, n, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, MSG_DONTWAIT, nullptr, 0); },
+        [&](size_t off, fiber::io::Deadline d) { return fiber::io::write(fd, p + off, n - off, d); });
+    if (r != -2) return r;
+  }
+  return REAL(write, SYS_write, fd, buf, n);
+}
+
+ssize_t send(int fd, const void* buf, size_t n, int flags) {
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    const char* p = static_cast<const char*>(buf);
+    const ssize_t r = park_write(
+        fd, n, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, flags | MSG_DONTWAIT, nullptr, 0); },
+        [&](size_t off, fiber::io::Deadline d) { return fiber::io::send(fd, p + off, n - off, flags, d); });
+    if (r != -2) return r;
+  }
+  return REAL(sendto, SYS_sendto, fd, buf, n, flags, nullptr, 0);
+}
+
+ssize_t sendto(int fd, const void* buf, size_t n, int flags, const struct sockaddr* addr, socklen_t len) {
+  if (addr == nullptr) return send(fd, buf, n, flags);
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    // Datagrams (an address given): all or nothing, so one fiber send suffices.
+    FdInfo* i;
+    const uint8_t f = learn(fd, i);
+    if ((f & kKnown) && !(f & kNonblock)) {
+      iovec iov{const_cast<void*>(buf), n};
+      msghdr m{};
+      m.msg_name = const_cast<sockaddr*>(addr);
+      m.msg_namelen = len;
+      m.msg_iov = &iov;
+      m.msg_iovlen = 1;
+      return finish(fiber::io::sendmsg(fd, &m, flags, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))));
+    }
+  }
+  return REAL(sendto, SYS_sendto, fd, buf, n, flags, addr, len);
+}
+
+ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    FdInfo* i;
+    const uint8_t f = learn(fd, i);
+    if ((f & kKnown) && !(f & kNonblock)) {
+      const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, msg, flags | MSG_DONTWAIT);
+      if (r >= 0 || get_errno() != EAGAIN) return r;
+      return finish(fiber::io::sendmsg(fd, msg, flags, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))));
+    }
+  }
+  return REAL(sendmsg, SYS_sendmsg, fd, msg, flags);
+}
+
+ssize_t writev(int fd, const struct iovec* iov, int cnt) {
+  if (may_park()) {
+    FdInfo* i;
+    const uint8_t f = learn(fd, i);
+    if ((f & kKnown) && !(f & kNonblock)) {
+      if (!(f & kSocket)) return finish(fiber::io::writev(fd, iov, cnt));
+      msghdr m{};
+      m.msg_iov = const_cast<iovec*>(iov);
+      m.msg_iovlen = static_cast<size_t>(cnt < 0 ? 0 : cnt);
+      const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, &m, MSG_DONTWAIT);
+      if (r >= 0 || get_errno() != EAGAIN) return r;  // a short writev is allowed: the caller loops
+      return finish(fiber::io::writev(fd, iov, cnt, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))));
+    }
+  }
+  return REAL(writev, SYS_writev, fd, iov, cnt);
+}
+
+ssize_t pwrite(int fd, const void* buf, size_t n, off_t off) {
+  if (may_park()) {
+    FdInfo* i;
+    const uint8_t f = learn(fd, i);
+    if ((f & kKnown) && !(f & kNonblock)) return finish(fiber::io::pwrite(fd, buf, n, off));
+  }
+  return REAL(pwrite, SYS_pwrite64, fd, buf, n, off);
+}
+ssize_t pwrite64(int fd, const void* buf, size_t n, off_t off) { return pwrite(fd, buf, n, off); }
+
+// ---- poll, ppoll, select
+
+}  // extern "C"
+
+namespace {
+
+int64_t timespec_ns(const timespec& ts) noexcept {
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+// poll(2) inside a fiber, `timeout_ns` < 0 for none. One descriptor waits on the engine; several
+// wait on a blocking-offload helper thread (the fiber parks either way).
+int fiber_poll(struct pollfd* fds, nfds_t n, int64_t timeout_ns) noexcept {
+  if (n == 0) {
+    if (timeout_ns < 0) timeout_ns = INT64_MAX / 2;
+    try {
+      fiber::this_fiber::sleep_for(std::chrono::nanoseconds(timeout_ns));
+    } catch (const fiber::Cancelled&) {
+      set_errno(EINTR);
+      return -1;
+    }
+    return 0;
+  }
+  if (n == 1) {
+    fds[0].revents = 0;
+    if (fds[0].fd < 0) {  // ignored entry: nothing can happen but the timeout
+      return fiber_poll(nullptr, 0, timeout_ns);
+    }
+    const fiber::io::Deadline d = timeout_ns < 0 ? fiber::io::Deadline() : fiber::io::Deadline(std::chrono::nanoseconds(timeout_ns));
+    const int r = fiber::io::poll(fds[0].fd, fds[0].events, timeout_ns == 0 ? fiber::io::Deadline(std::chrono::nanoseconds(0)) : d);
+    if (r == -ETIMEDOUT) return 0;
+    if (r == -EBADF) {
+      fds[0].revents = POLLNVAL;
+      return 1;
+    }
+    if (r < 0) return finish(r);
+    fds[0].revents = static_cast<short>(r);
+    return 1;
+  }
+  try {
+    const int ms = timeout_ns < 0 ? -1 : static_cast<int>((timeout_ns + 999'999) / 1'000'000);
+    int err = 0;
+    const int r = fiber::blocking([&] {
+      const int rc = real_poll(fds, n, ms);
+      if (rc < 0) err = errno;
+      return rc;
+    });
+    if (r < 0) set_errno(err);
+    return r;
+  } catch (...) {
+    set_errno(EINTR);
+    return -1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int poll(struct pollfd* fds, nfds_t n, int timeout) {
+  if (timeout == 0 || !may_park()) {
+    const timespec ts{timeout / 1000, (timeout % 1000) * 1'000'000};
+    return real_poll ? real_poll(fds, n, timeout)
+                     : static_cast<int>(::syscall(SYS_ppoll, fds, n, timeout < 0 ? nullptr : &ts, nullptr, _NSIG / 8));
+  }
+  // Ready already? Then no park at all.
+  const int now = real_poll(fds, n, 0);
+  if (now != 0) return now;
+  return fiber_poll(fds, n, timeout < 0 ? -1 : static_cast<int64_t>(timeout) * 1'000'000);
+}
+
+int ppoll(struct pollfd* fds, nfds_t n, const struct timespec* ts, const sigset_t* mask) {
+  // A signal mask changes what the call means; leave those to the kernel.
+  if (mask != nullptr || (ts && ts->tv_sec == 0 && ts->tv_nsec == 0) || !may_park()) {
+    return REAL(ppoll, SYS_ppoll, fds, n, ts, mask);
+  }
+  const int now = real_poll(fds, n, 0);
+  if (now != 0) return now;
+  return fiber_poll(fds, n, ts ? timespec_ns(*ts) : -1);
+}
+
+int select(int nfds, fd_set* r, fd_set* w, fd_set* e, struct timeval* tv) {
+  auto* real = lazy(real_select, "select");
+  if (!may_park() || (tv && tv->tv_sec == 0 && tv->tv_usec == 0)) return real(nfds, r, w, e, tv);
+  // As poll: the sets become pollfds, the result goes back into the sets.
+  std::vector<pollfd> fds;
+  try {
+    for (int fd = 0; fd < nfds; ++fd) {
+      short ev = 0;
+      if (r && FD_ISSET(fd, r)) ev |= POLLIN;
+      if (w && FD_ISSET(fd, w)) ev |= POLLOUT;
+      if (e && FD_ISSET(fd, e)) ev |= POLLPRI;
+      if (ev) fds.push_back(pollfd{fd, ev, 0});
+    }
+  } catch (...) {
+    return real(nfds, r, w, e, tv);
+  }
+  const int64_t ns = tv ? timeval_ns(*tv) : -1;
+  int rc = real_poll(fds.data(), fds.size(), 0);
+  if (rc == 0) rc = fiber_poll(fds.data(), fds.size(), ns);
+  if (rc < 0) return rc;
+  if (r) FD_ZERO(r);
+  if (w) FD_ZERO(w);
+  if (e) FD_ZERO(e);
+  int count = 0;
+  for (const pollfd& p : fds) {
+    if (p.revents & POLLNVAL) {
+      set_errno(EBADF);
+      return -1;
+    }
+    if (r && (p.revents & (POLLIN | POLLHUP | POLLERR))) { FD_SET(p.fd, r); ++count; }
+    if (w && (p.revents & (POLLOUT | POLLERR))) { FD_SET(p.fd, w); ++count; }
+    if (e && (p.revents & POLLPRI)) { FD_SET(p.fd, e); ++count; }
+  }
+  if (tv && rc == 0) *tv = timeval{0, 0};  // Linux updates the timeout with what is left
+  return count;
+}
+
+// ---- descriptors
+
+int close(int fd) {
+  forget(fd);
+  // Always through the runtime (also from plain threads): fibers waiting on `fd` must wake.
+  // io::close allocates nothing and, with no fiber ever having waited, is the plain close.
+  if (!g_resolved.load(std::memory_order_acquire)) return static_cast<int>(::syscall(SYS_close, fd));
+  return finish(fiber::io::close(fd));
+}
+
+int fcntl(int fd, int cmd, ...) {
+  va_list ap;
+  va_start(ap, cmd);
+  void* arg = va_arg(ap, void*);
+  va_end(ap);
+  const int rc = REAL(fcntl, SYS_fcntl, fd, cmd, arg);
+  if (rc >= 0) {
+    if (cmd == F_SETFL) forget(fd);
+    if (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC) forget(rc);
+  }
+  return rc;
+}
+
+// glibc 2.28+: programs built with _FILE_OFFSET_BITS=64 call fcntl64.
+int fcntl64(int fd, int cmd, ...) {
+  va_list ap;
+  va_start(ap, cmd);
+  void* arg = va_arg(ap, void*);
+  va_end(ap);
+  return fcntl(fd, cmd, arg);
+}
+
+int ioctl(int fd, unsigned long req, ...) noexcept {
+  va_list ap;
+  va_start(ap, req);
+  void* arg = va_arg(ap, void*);
+  va_end(ap);
+  const int rc = REAL(ioctl, SYS_ioctl, fd, req, arg);
+  if (rc == 0 && req == FIONBIO) forget(fd);
+  return rc;
+}
+
+int setsockopt(int fd, int level, int name, const void* val, socklen_t len) noexcept {
+  const int rc = REAL(setsockopt, SYS_setsockopt, fd, level, name, val, len);
+  if (rc == 0 && level == SOL_SOCKET && (name == SO_RCVTIMEO || name == SO_SNDTIMEO)) forget(fd);
+  return rc;
+}
+
+int getsockopt(int fd, int level, int name, void* val, socklen_t* len) noexcept {
+  return REAL(getsockopt, SYS_getsockopt, fd, level, name, val, len);
+}
+
+int dup(int fd) noexcept {
+  const int rc = REAL(dup, SYS_dup, fd);
+  if (rc >= 0) forget(rc);
+  return rc;
+}
+
+int dup2(int fd, int fd2) noexcept {
+  const int rc = REAL(dup2, SYS_dup2, fd, fd2);
+  if (rc >= 0) forget(rc);
+  return rc;
+}
+
+int dup3(int fd, int fd2, int flags) noexcept {
+  const int rc = REAL(dup3, SYS_dup3, fd, fd2, flags);
+  if (rc >= 0) forget(rc);
+  return rc;
+}
+
+// ---- sleeping
+
+int nanosleep(const struct timespec* req, struct timespec* rem) {
+  if (!may_park() || req == nullptr || req->tv_nsec < 0 || req->tv_nsec >= 1'000'000'000 || req->tv_sec < 0) {
+    return REAL(nanosleep, SYS_nanosleep, req, rem);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timespec_ns(*req));
+  try {
+    fiber::this_fiber::sleep_until(until);
+  } catch (const fiber::Cancelled&) {
+    if (rem) {
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(until - std::chrono::steady_clock::now()).count();
+      *rem = timespec{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
+    }
+    set_errno(EINTR);
+    return -1;
+  }
+  return 0;
+}
+
+int usleep(useconds_t us) {
+  const timespec ts{static_cast<time_t>(us / 1'000'000), static_cast<long>(us % 1'000'000) * 1000};
+  return nanosleep(&ts, nullptr);
+}
+
+unsigned sleep(unsigned s) {
+  const timespec ts{static_cast<time_t>(s), 0};
+  timespec rem{};
+  if (nanosleep(&ts, &rem) != 0) return static_cast<unsigned>(rem.tv_sec + (rem.tv_nsec > 0 ? 1 : 0));
+  return 0;
+}
+
+// ---- name resolution: glibc's resolver makes its own socket/poll calls through internal
+// aliases no preload reaches, so the whole call goes to a blocking-offload helper thread.
+
+int getaddrinfo(const char* node, const char* service, const struct addrinfo* hints, struct addrinfo** res) {
+  auto* fn = lazy(real_getaddrinfo, "getaddrinfo");
+  if (!may_park()) return fn(node, service, hints, res);
+  try {
+    return fiber::blocking([&] { return fn(node, service, hints, res); });
+  } catch (...) {
+    set_errno(ECANCELED);
+    return EAI_SYSTEM;
+  }
+}
+
+int getnameinfo(const struct sockaddr* sa, socklen_t salen, char* host, socklen_t hostlen, char* serv,
+                socklen_t servlen, int flags) {
+  auto* fn = lazy(real_getnameinfo, "getnameinfo");
+  if (!may_park()) return fn(sa, salen, host, hostlen, serv, servlen, flags);
+  try {
+    return fiber::blocking([&] { return fn(sa, salen, host, hostlen, serv, servlen, flags); });
+  } catch (...) {
+    set_errno(ECANCELED);
+    return EAI_SYSTEM;
+  }
+}
+
+struct hostent* gethostbyname(const char* name) {
+  auto* fn = lazy(real_gethostbyname, "gethostbyname");
+  if (!may_park()) return fn(name);
+  try {
+    return fiber::blocking([&] { return fn(name); });
+  } catch (...) {
+    h_errno = TRY_AGAIN;
+    return nullptr;
+  }
+}
+
+int gethostbyname_r(const char* name, struct hostent* ret, char* buf, size_t buflen, struct hostent** result,
+                    int* h_errnop) {
+  auto* fn = lazy(real_gethostbyname_r, "gethostbyname_r");
+  if (!may_park()) return fn(name, ret, buf, buflen, result, h_errnop);
+  try {
+    return fiber::blocking([&] { return fn(name, ret, buf, buflen, result, h_errnop); });
+  } catch (...) {
+    if (h_errnop) *h_errnop = TRY_AGAIN;
+    return ECANCELED;
+  }
+}
+
+// ---- fortified variants (-D_FORTIFY_SOURCE): check, then the hooked call.
+
+ssize_t __read_chk(int fd, void* buf, size_t n, size_t buflen) {
+  if (n > buflen) __chk_fail();
+  return read(fd, buf, n);
+}
+ssize_t __recv_chk(int fd, void* buf, size_t n, size_t buflen, int flags) {
+  if (n > buflen) __chk_fail();
+  return recv(fd, buf, n, flags);
+}
+ssize_t __recvfrom_chk(int fd, void* buf, size_t n, size_t buflen, int flags, struct sockaddr* addr, socklen_t* len) {
+  if (n > buflen) __chk_fail();
+  return recvfrom(fd, buf, n, flags, addr, len);
+}
+ssize_t __pread_chk(int fd, void* buf, size_t n, off_t off, size_t buflen) {
+  if (n > buflen) __chk_fail();
+  return pread(fd, buf, n, off);
+}
+ssize_t __pread64_chk(int fd, void* buf, size_t n, off_t off, size_t buflen) {
+  if (n > buflen) __chk_fail();
+  return pread(fd, buf, n, off);
+}
+int __poll_chk(struct pollfd* fds, nfds_t n, int timeout, size_t fdslen) {
+  if (fdslen / sizeof(*fds) < n) __chk_fail();
+  return poll(fds, n, timeout);
+}
+int __ppoll_chk(struct pollfd* fds, nfds_t n, const struct timespec* ts, const sigset_t* mask, size_t fdslen) {
+  if (fdslen / sizeof(*fds) < n) __chk_fail();
+  return ppoll(fds, n, ts, mask);
+}
+
+}  // extern "C"

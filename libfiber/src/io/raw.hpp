@@ -1,0 +1,53 @@
+// The runtime's own system calls, made with syscall(2) so they never reach an interposed libc
+// function: with libfiber_hook.so preloaded, ::read inside the runtime would land in the hook,
+// which would call back into the runtime (and park a fiber in the middle of the scheduler).
+// Each returns the result or -errno, like liburing.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace fiber::detail::raw {
+
+inline long ret(long rc) noexcept { return rc < 0 ? -errno : rc; }
+
+inline ssize_t read(int fd, void* buf, size_t n) noexcept { return ret(::syscall(SYS_read, fd, buf, n)); }
+inline ssize_t write(int fd, const void* buf, size_t n) noexcept { return ret(::syscall(SYS_write, fd, buf, n)); }
+inline ssize_t readv(int fd, const iovec* iov, int cnt) noexcept { return ret(::syscall(SYS_readv, fd, iov, cnt)); }
+inline ssize_t writev(int fd, const iovec* iov, int cnt) noexcept { return ret(::syscall(SYS_writev, fd, iov, cnt)); }
+inline ssize_t pread(int fd, void* buf, size_t n, off_t off) noexcept { return ret(::syscall(SYS_pread64, fd, buf, n, off)); }
+inline ssize_t pwrite(int fd, const void* buf, size_t n, off_t off) noexcept {
+  return ret(::syscall(SYS_pwrite64, fd, buf, n, off));
+}
+inline ssize_t recv(int fd, void* buf, size_t n, int flags) noexcept {
+  return ret(::syscall(SYS_recvfrom, fd, buf, n, flags, nullptr, nullptr));
+}
+inline ssize_t send(int fd, const void* buf, size_t n, int flags) noexcept {
+  return ret(::syscall(SYS_sendto, fd, buf, n, flags, nullptr, 0));
+}
+inline ssize_t recvmsg(int fd, msghdr* m, int flags) noexcept { return ret(::syscall(SYS_recvmsg, fd, m, flags)); }
+inline ssize_t sendmsg(int fd, const msghdr* m, int flags) noexcept { return ret(::syscall(SYS_sendmsg, fd, m, flags)); }
+inline int accept4(int fd, sockaddr* a, socklen_t* len, int flags) noexcept {
+  return static_cast<int>(ret(::syscall(SYS_accept4, fd, a, len, flags)));
+}
+inline int connect(int fd, const sockaddr* a, socklen_t len) noexcept {
+  return static_cast<int>(ret(::syscall(SYS_connect, fd, a, len)));
+}
+inline int close(int fd) noexcept { return static_cast<int>(ret(::syscall(SYS_close, fd))); }
+inline int ppoll(pollfd* fds, nfds_t n, const timespec* ts) noexcept {
+  return static_cast<int>(ret(::syscall(SYS_ppoll, fds, n, ts, nullptr, _NSIG / 8)));
+}
+inline int poll_now(pollfd* fds, nfds_t n) noexcept {
+  const timespec zero{0, 0};
+  return ppoll(fds, n, &zero);
+}
+inline int fcntl(int fd, int cmd, long arg = 0) noexcept { return static_cast<int>(ret(::syscall(SYS_fcntl, fd, cmd, arg))); }
+
+}  // namespace fiber::detail::raw
