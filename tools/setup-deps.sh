@@ -8,6 +8,7 @@ packages=(
   libboost-context-dev liburing-dev              # library dependencies
   doctest-dev                                    # unit tests
   gdb                                            # debugger-driven tests
+  libhiredis-dev redis-server                    # samples/legacy_redis (hooks)
 )
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
