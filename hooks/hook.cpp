@@ -111,11 +111,15 @@ Fn lazy(Fn& slot, const char* name) noexcept {
 
 // ------------------------------------------------------------------------------ when to park
 
+// >0 while this thread runs a signal handler the program installed (see sigaction below): a
+// hooked call there is the real call, never a park (a handler must not switch stacks).
+thread_local int t_in_signal = 0;
+
 // The runtime makes its own system calls through syscall(2), never through these hooks, so a
 // hook never runs inside the scheduler; only user code in a fiber gets here with in_fiber().
 bool may_park() noexcept {
   return g_resolved.load(std::memory_order_acquire) && !g_forked_child.load(std::memory_order_relaxed) &&
-         fiber::this_fiber::in_fiber();
+         t_in_signal == 0 && fiber::this_fiber::in_fiber();
 }
 
 // errno through a non-inlined store: __errno_location() is `const`, so the compiler may reuse
@@ -658,6 +662,81 @@ int dup3(int fd, int fd2, int flags) noexcept {
   const int rc = REAL(dup3, SYS_dup3, fd, fd2, flags);
   if (rc >= 0) forget(rc);
   return rc;
+}
+
+// ---- signal handlers: the program's handlers run inside a trampoline that marks the thread
+// as "in a signal handler", so the hooks make real calls there. sigaction reports the program's
+// own handler back, as if the trampoline were not there.
+
+}  // extern "C"
+
+namespace {
+
+using SigInfoHandler = void (*)(int, siginfo_t*, void*);
+using PlainHandler = void (*)(int);
+// The handler the program installed per signal, and whether it takes siginfo. Written by
+// sigaction before the trampoline is installed, read by the trampoline.
+std::atomic<void*> g_user_handler[_NSIG];
+std::atomic<bool> g_user_siginfo[_NSIG];
+
+void trampoline(int sig, siginfo_t* info, void* uc) {
+  const int saved = errno;  // handlers may clobber it; the interrupted code must not see that
+  ++t_in_signal;
+  void* h = g_user_handler[sig].load(std::memory_order_acquire);
+  if (g_user_siginfo[sig].load(std::memory_order_relaxed)) {
+    reinterpret_cast<SigInfoHandler>(h)(sig, info, uc);
+  } else if (h != nullptr) {
+    reinterpret_cast<PlainHandler>(h)(sig);
+  }
+  --t_in_signal;
+  errno = saved;
+}
+
+}  // namespace
+
+extern "C" {
+
+int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexcept {
+  auto* real = lazy(real_sigaction, "sigaction");
+  if (sig <= 0 || sig >= _NSIG) return real(sig, act, old);  // the real call reports EINVAL
+  const bool is_handler = act != nullptr && act->sa_handler != SIG_DFL && act->sa_handler != SIG_IGN;
+  void* prev = g_user_handler[sig].load(std::memory_order_acquire);
+  const bool prev_siginfo = g_user_siginfo[sig].load(std::memory_order_relaxed);
+  struct sigaction mine;
+  const struct sigaction* use = act;
+  if (is_handler) {
+    const bool si = (act->sa_flags & SA_SIGINFO) != 0;
+    g_user_siginfo[sig].store(si, std::memory_order_relaxed);
+    g_user_handler[sig].store(si ? reinterpret_cast<void*>(act->sa_sigaction) : reinterpret_cast<void*>(act->sa_handler),
+                              std::memory_order_release);
+    mine = *act;
+    mine.sa_flags |= SA_SIGINFO;
+    mine.sa_sigaction = trampoline;
+    use = &mine;
+  }
+  const int rc = real(sig, use, old);
+  if (rc == 0 && old != nullptr && old->sa_sigaction == trampoline) {
+    // Report what the program installed, not our trampoline.
+    if (prev_siginfo) {
+      old->sa_sigaction = reinterpret_cast<SigInfoHandler>(prev);
+    } else {
+      old->sa_flags &= ~SA_SIGINFO;
+      old->sa_handler = reinterpret_cast<PlainHandler>(prev);
+    }
+  }
+  return rc;
+}
+
+// glibc's signal() installs its handler through an internal sigaction no preload sees: redo it
+// with BSD semantics (SA_RESTART, handler stays installed), as glibc does.
+sighandler_t signal(int sig, sighandler_t handler) noexcept {
+  struct sigaction act {}, old {};
+  act.sa_handler = handler;
+  sigemptyset(&act.sa_mask);
+  if (sig > 0 && sig < _NSIG) sigaddset(&act.sa_mask, sig);
+  act.sa_flags = SA_RESTART;
+  if (sigaction(sig, &act, &old) != 0) return SIG_ERR;
+  return old.sa_handler;
 }
 
 // ---- sleeping

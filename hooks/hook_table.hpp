@@ -46,6 +46,7 @@
   X(unsigned, sleep, (unsigned s), (s))                                                                  \
   X(int, usleep, (useconds_t us), (us))                                                                  \
   X(int, nanosleep, (const struct timespec* req, struct timespec* rem), (req, rem))                      \
+  X(int, sigaction, (int sig, const struct sigaction* act, struct sigaction* old), (sig, act, old))     \
   X(int, getaddrinfo, (const char* node, const char* service, const struct addrinfo* hints,              \
                        struct addrinfo** res),                                                           \
     (node, service, hints, res))                                                                         \
