@@ -27,6 +27,7 @@
 #include <string_view>
 
 #include "fiber/config.hpp"
+#include "fiber/stats.hpp"
 
 namespace fiber {
 
@@ -124,6 +125,10 @@ class FIBER_API Scheduler {
   const std::string& name() const noexcept;
   // Fibers spawned and not yet finished.
   std::size_t live_fibers() const noexcept;
+  // Counters of this scheduler and its processors (see fiber/stats.hpp).
+  SchedulerStats stats() const;
+  // This scheduler's live fibers, one line each (see fiber::dump for all schedulers).
+  void dump(std::ostream& out) const;
 
   // The process-wide default scheduler, started on first use. It is never destroyed.
   static Scheduler& global();

@@ -65,6 +65,9 @@ class Poller {
   PollerKind kind() const noexcept { return kind_; }
   // Operations submitted here and not yet completed. Owner thread only.
   uint32_t inflight() const noexcept { return inflight_; }
+  // All-time counts, for stats (any thread; single writer, the owner).
+  uint64_t submitted() const noexcept { return submitted_.load(std::memory_order_relaxed); }
+  uint64_t completed() const noexcept { return completed_.load(std::memory_order_relaxed); }
 
   // Creates the poller $FIBER_IO asks for (auto by default), on the calling thread.
   // Throws UsageError for an unknown FIBER_IO value, ResourceError if nothing can be created.
@@ -77,8 +80,10 @@ class Poller {
   void drain_eventfd() noexcept;
   // Marks `op` complete and wakes its fiber (or, if it was woken early, lets it go on).
   void complete(IoOp* op) noexcept;
+  void count_submit() noexcept { submitted_.store(submitted_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
   int event_fd_;
   uint32_t inflight_ = 0;  // owner thread only
+  std::atomic<uint64_t> submitted_{0}, completed_{0};  // single writer (the owner)
 
  private:
   PollerKind kind_;

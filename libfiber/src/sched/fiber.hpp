@@ -95,6 +95,7 @@ struct Fiber {
   Group* group = nullptr;          // block_on group, counted until the fiber finishes
   char* name = nullptr;            // owned, nul-terminated; nullptr when unnamed
   Processor* last_processor = nullptr;  // for dumps; written when resumed
+  int64_t parked_at_ns = 0;        // for dumps: coarse steady time of its last park
   int saved_errno = 0;             // errno of the fiber across a switch (it may migrate)
 
   // Registry of live fibers (stop, dump): links guarded by the scheduler's registry lock.

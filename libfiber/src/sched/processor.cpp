@@ -165,6 +165,8 @@ void Processor::thread_main() {
   if (retired_) {
     {
       std::lock_guard lock(life_mu_);
+      io_submitted_retired_ += poller_->submitted();
+      io_completed_retired_ += poller_->completed();
       poller_.reset();
     }
     // Last touch of this object by this thread: the monitor joins it, and may start it again.
@@ -288,6 +290,8 @@ void Processor::park_current(ParkReason why) noexcept {
   Processor* p = current_processor();
   Fiber* self = p->current();
   self->park_reason = why;
+  self->parked_at_ns = p->coarse_now_ns();
+  bump(p->parks_[static_cast<std::size_t>(why)]);
   for (;;) {
     // Woken before we even left: nothing to switch for.
     FiberState s = FiberState::Notified;
@@ -456,7 +460,10 @@ Fiber* Processor::steal_work() noexcept {
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t victim = (start + i) % n;
     if (victim == index_) continue;
-    if (Fiber* f = sched_.processor(victim).stealer().steal_into(queue_)) return f;
+    if (Fiber* f = sched_.processor(victim).stealer().steal_into(queue_)) {
+      bump(steals_);
+      return f;
+    }
   }
   return refill_from_injector();
 }
@@ -479,6 +486,7 @@ void Processor::found_work_while_searching() noexcept {
 }
 
 bool Processor::maintenance() noexcept {
+  now_ns_.store(steady_now_ns(), std::memory_order_relaxed);  // for coarse_now_ns()
   bool any = drain_inbox();
   any |= poller_->poll();  // submit queued I/O, wake fibers whose I/O completed
   if (timers_.next_deadline() != TimerQueue::kNone) any |= timers_.fire_expired(steady_now_ns()) > 0;
@@ -580,6 +588,30 @@ void Processor::park_thread() noexcept {
     if (searching_) sched_.idle().transition_from_searching();
   }
   searching_ = false;
+}
+
+// ------------------------------------------------------------------------------ stats
+
+static_assert(kParkReasons == static_cast<std::size_t>(ParkReason::Blocking) + 1, "fiber::kParkReasons");
+
+void Processor::stats_into(ProcessorStats& out) const noexcept {
+  out.index = index_;
+  out.running = life() == Life::Running;
+  out.switches = switches_.load(std::memory_order_relaxed);
+  out.steals = steals_.load(std::memory_order_relaxed);
+  out.spawned = spawned_.load(std::memory_order_relaxed);
+  out.finished = finished_.load(std::memory_order_relaxed);
+  for (std::size_t i = 0; i < kParkReasons; ++i) out.parks[i] = parks_[i].load(std::memory_order_relaxed);
+  out.local_queue = stealer_.len();
+  out.lifo_slot = lifo_occupied();
+  std::lock_guard lock(life_mu_);  // the poller comes and goes with the thread
+  out.io_submitted = io_submitted_retired_;
+  out.io_completed = io_completed_retired_;
+  if (poller_) {
+    out.io_submitted += poller_->submitted();
+    out.io_completed += poller_->completed();
+  }
+  out.io_inflight = out.io_submitted >= out.io_completed ? out.io_submitted - out.io_completed : 0;
 }
 
 // ------------------------------------------------------------------------------ unpark

@@ -34,6 +34,7 @@
 #include "sched/injector.hpp"
 #include "sched/local_queue.hpp"
 #include "sched/timer.hpp"
+#include "fiber/stats.hpp"
 
 namespace fiber::detail {
 
@@ -103,6 +104,15 @@ class Processor {
   static void move_current_to(Processor* home) noexcept;
   static void unpin_current() noexcept;
 
+  // ---- Counters (fiber/stats.hpp). Owner-written with relaxed stores; stats() reads them from
+  // any thread.
+  void count_spawn() noexcept { bump(spawned_); }
+  void count_finish() noexcept { bump(finished_); }
+  void stats_into(ProcessorStats& out) const noexcept;
+  // The steady clock as of this processor's last look at it (at most kEventInterval switches or
+  // one idle wait ago): what a fiber parking here records as the start of its wait.
+  int64_t coarse_now_ns() const noexcept { return now_ns_.load(std::memory_order_relaxed); }
+
   // ---- Executed only by the owner thread (fiber or loop context).
   void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
   void schedule_yield(Fiber* f) noexcept;  // a yielding fiber: tail of the queue
@@ -143,6 +153,9 @@ class Processor {
   bool transition_from_parked() noexcept;
   bool try_retire() noexcept;
   void check_stack(const Fiber* f) const noexcept;
+  static void bump(std::atomic<uint64_t>& c) noexcept {
+    c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // single writer
+  }
   // A scheduling point that is not a switch (a yield with nothing else to run).
   void count_switch() noexcept {
     // Single writer (the owner): a plain load and store, no locked instruction. Release pairs
@@ -171,6 +184,11 @@ class Processor {
   uint64_t id_next_ = 0, id_end_ = 0;  // block of fiber ids
   std::optional<StackCache> stacks_;   // made when the thread starts, emptied when it retires
   Fiber* refill_scratch_[RunQueue::capacity() / 2];  // refill_from_injector's batch (owner only)
+  // Counters for stats(): single writer (the owner), relaxed; readers may see them a few
+  // events apart from each other.
+  std::atomic<uint64_t> steals_{0}, spawned_{0}, finished_{0};
+  std::atomic<uint64_t> parks_[kParkReasons] = {};
+  std::atomic<int64_t> now_ns_{0};  // see coarse_now_ns()
 
   // ---- shared state
   RunQueue::Stealer stealer_;
@@ -182,7 +200,9 @@ class Processor {
   // Wakers reach it only through the idle state, which keeps a retiring processor waiting
   // until they are done (Idle::retire).
   std::unique_ptr<Poller> poller_;
-  std::mutex life_mu_;  // poller_ creation/destruction vs request_shutdown()
+  mutable std::mutex life_mu_;  // poller_ creation/destruction vs request_shutdown(), stats_into()
+  // I/O counts of pollers this processor had before it last retired. GUARDED_BY(life_mu_).
+  uint64_t io_submitted_retired_ = 0, io_completed_retired_ = 0;
   std::mutex inbox_mu_;
   Fiber* inbox_head_ = nullptr;  // GUARDED_BY(inbox_mu_)
   Fiber* inbox_tail_ = nullptr;  // GUARDED_BY(inbox_mu_)

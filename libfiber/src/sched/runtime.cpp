@@ -229,8 +229,10 @@ void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
   f->sched->registry().add(f, local ? p->index() : f->sched->external_shard());
   f->set_state(FiberState::Created, FiberState::Runnable);  // not yet visible to anyone
   if (local) {
+    p->count_spawn();
     p->schedule_local(f);
   } else {
+    f->sched->count_foreign_spawn();
     f->sched->inject(f);
   }
 }
@@ -244,6 +246,7 @@ void run_task(Fiber* self) noexcept {
 }
 
 void complete_fiber(Fiber* f) noexcept {
+  current_processor()->count_finish();  // always on a processor of f's scheduler
   // Registry first: once the joiner or the group waiter runs, stop() may count this fiber gone.
   f->sched->registry().remove(f);
   Group* g = f->group;

@@ -90,14 +90,19 @@ SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
   try {
     for (; started < base_; ++started) processors_[started]->start();
     if (monitor_) monitor_->start();
+    register_scheduler(this);
   } catch (...) {
+    if (monitor_) monitor_->stop();
     for (uint32_t i = 0; i < started; ++i) processors_[i]->request_shutdown();
     for (uint32_t i = 0; i < started; ++i) processors_[i]->join();
     throw;
   }
 }
 
-SchedulerImpl::~SchedulerImpl() { stop(); }
+SchedulerImpl::~SchedulerImpl() {
+  unregister_scheduler(this);
+  stop();
+}
 
 Processor& SchedulerImpl::ensure_processor(uint32_t i) {
   if (!processors_[i]) processors_[i] = std::make_unique<Processor>(*this, i, i >= base_);

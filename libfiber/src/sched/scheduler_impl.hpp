@@ -50,6 +50,11 @@ class Registry {
   std::vector<Shard> shards_;
 };
 
+class SchedulerImpl;
+// The list of live schedulers (introspect.cpp).
+void register_scheduler(SchedulerImpl* s);
+void unregister_scheduler(SchedulerImpl* s) noexcept;
+
 class SchedulerImpl {
  public:
   explicit SchedulerImpl(const Scheduler::Options& options);
@@ -63,6 +68,9 @@ class SchedulerImpl {
   // inject() or push_inbox(); stop() therefore waits for foreign wakes in progress to end.
   void foreign_wake_begin() noexcept { foreign_wakes_.fetch_add(1, std::memory_order_acq_rel); }
   void foreign_wake_end() noexcept { foreign_wakes_.fetch_sub(1, std::memory_order_acq_rel); }
+  void count_foreign_spawn() noexcept { foreign_spawned_.fetch_add(1, std::memory_order_relaxed); }
+  SchedulerStats stats() const;
+  void dump(std::ostream& out) const;
 
   const std::string& name() const noexcept { return name_; }
   // Options::processors: started with the scheduler, never retire.
@@ -105,7 +113,7 @@ class SchedulerImpl {
   int64_t retire_after_ns_;
   Idle idle_;
   Injector injector_;
-  Registry registry_;
+  mutable Registry registry_;  // mutable: dump() walks it under its locks
   FiberReadHazard hazard_;
   std::vector<std::unique_ptr<Processor>> processors_;  // max_processors() slots
   std::atomic<uint32_t> slots_{0};  // see processor_slots(); stored with release after the slot is made
@@ -114,6 +122,13 @@ class SchedulerImpl {
   // Foreign wakes in progress (see foreign_wake_begin). Incremented before the fiber is
   // published, so a stop() that saw the fiber finish also sees the increment.
   std::atomic<uint32_t> foreign_wakes_{0};
+  std::atomic<uint64_t> foreign_spawned_{0};  // spawned from threads that are not our processors
+
+ public:
+  // Every scheduler alive, newest first (fiber::dump, the dump signal, tools/gdb/libfiber.py).
+  // GUARDED_BY(g_schedulers_mu) - see introspect.cpp.
+  SchedulerImpl* next_scheduler_ = nullptr;
+  SchedulerImpl* prev_scheduler_ = nullptr;
   // Last: destroyed first, while the processors it watches still exist.
   std::unique_ptr<Monitor> monitor_;
 };
