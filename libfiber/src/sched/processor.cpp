@@ -135,8 +135,12 @@ int64_t Processor::thread_cpu_ns() const noexcept {
   return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
+void* install_overflow_handler_on_this_thread() noexcept;  // overflow.cpp
+void remove_overflow_altstack(void* mem) noexcept;
+
 void Processor::thread_main() {
   set_current_processor(this);
+  void* altstack = install_overflow_handler_on_this_thread();
   loop_.san.on_thread();
   const std::string tname = (sched_.name() + "-P" + std::to_string(index_)).substr(0, 15);
   pthread_setname_np(pthread_self(), tname.c_str());
@@ -160,6 +164,7 @@ void Processor::thread_main() {
     searching_ = false;
   }
   stacks_.reset();  // back to the global pool
+  remove_overflow_altstack(altstack);
   tid_.store(0, std::memory_order_relaxed);
   set_current_processor(nullptr);
   if (retired_) {
