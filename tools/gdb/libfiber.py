@@ -187,9 +187,9 @@ class FiberInfo:
         except gdb.MemoryError:
             self.name = "<unreadable %#x>" % int(name)
         self.state = _enum_name(_atomic(f["state"]), _STATES)
-        self.reason = _enum_name(f["park_reason"], _REASONS)
+        self.reason = _enum_name(_atomic(f["park_reason"]), _REASONS)
         self.ctx = _uint(f["ctx"])
-        p = f["last_processor"]
+        p = _atomic(f["last_processor"])
         self.processor = p if int(p) else None
         self.processor_index = int(p["index_"]) if self.processor is not None else -1
         stack = f["stack"]

@@ -66,7 +66,8 @@ struct Fiber {
   // ---- switch path (first cache line)
   RawContext ctx = nullptr;  // saved context while not running; written by whoever resumes next
   std::atomic<FiberState> state{FiberState::Created};
-  ParkReason park_reason = ParkReason::None;
+  // Written by the fiber itself around a park; read racily by dump() and the gdb extension.
+  std::atomic<ParkReason> park_reason{ParkReason::None};
   bool is_loop = false;  // a processor's own thread stack, not a real fiber
   bool pooled_block = false;  // its memory is a pooled control-block slot (runtime.cpp)
   uint32_t stack_size = 0;  // size class to allocate when first run
@@ -94,8 +95,9 @@ struct Fiber {
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes
   char* name = nullptr;            // owned, nul-terminated; nullptr when unnamed
-  Processor* last_processor = nullptr;  // for dumps; written when resumed
-  int64_t parked_at_ns = 0;        // for dumps: coarse steady time of its last park
+  // For dumps (read racily by dump() and the gdb extension, hence relaxed atomics):
+  std::atomic<Processor*> last_processor{nullptr};  // written when resumed
+  std::atomic<int64_t> parked_at_ns{0};             // coarse steady time of its last park
   int saved_errno = 0;             // errno of the fiber across a switch (it may migrate)
 
   // Registry of live fibers (stop, dump): links guarded by the scheduler's registry lock.

@@ -144,8 +144,10 @@ void SchedulerImpl::dump(std::ostream& out) const {
   lines.reserve(registry_.live() + 16);
   // Copy under the shard locks, print outside them.
   registry_.for_each([&](Fiber* f) {
-    lines.push_back(Line{f->id, f->name ? f->name : "", f->state.load(std::memory_order_relaxed), f->park_reason,
-                         f->last_processor ? static_cast<int>(f->last_processor->index()) : -1, f->parked_at_ns});
+    const Processor* last = f->last_processor.load(std::memory_order_relaxed);
+    lines.push_back(Line{f->id, f->name ? f->name : "", f->state.load(std::memory_order_relaxed),
+                         f->park_reason.load(std::memory_order_relaxed), last ? static_cast<int>(last->index()) : -1,
+                         f->parked_at_ns.load(std::memory_order_relaxed)});
   });
   const int64_t now = steady_now_ns();
   out << "scheduler '" << name_ << "': " << lines.size() << " live fibers, " << base_ << " processors\n";

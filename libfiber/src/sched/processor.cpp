@@ -189,7 +189,7 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   if (!from->is_loop) p->check_stack(from);
   if (!to->is_loop) {
     to->set_state(FiberState::Runnable, FiberState::Running);
-    to->last_processor = p;
+    to->last_processor.store(p, std::memory_order_relaxed);
   }
   p->current_.store(to, std::memory_order_relaxed);
   p->count_switch();  // all the watchdog costs a switch
@@ -294,8 +294,8 @@ void Processor::yield_current(Processor* p) {
 void Processor::park_current(ParkReason why) noexcept {
   Processor* p = current_processor();
   Fiber* self = p->current();
-  self->park_reason = why;
-  self->parked_at_ns = p->coarse_now_ns();
+  self->park_reason.store(why, std::memory_order_relaxed);
+  self->parked_at_ns.store(p->coarse_now_ns(), std::memory_order_relaxed);
   bump(p->parks_[static_cast<std::size_t>(why)]);
   for (;;) {
     // Woken before we even left: nothing to switch for.
@@ -313,7 +313,7 @@ void Processor::park_current(ParkReason why) noexcept {
     switch_to(p, self, next ? next : &p->loop_, After::Park);
     break;
   }
-  self->park_reason = ParkReason::None;
+  self->park_reason.store(ParkReason::None, std::memory_order_relaxed);
 }
 
 void Processor::move_current_to(Processor* home) noexcept {
