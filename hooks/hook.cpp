@@ -145,10 +145,14 @@ T finish(T r, int timeout_errno = EAGAIN) noexcept {
 
 // ------------------------------------------------------------------------------ fd knowledge
 
-enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4 };
+enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4, kSeekable = 8 };
 
 struct FdInfo {
-  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock; 0: ask the kernel
+  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock | kSeekable; 0: ask the kernel
+  // Set by dup*/F_DUPFD on both descriptors: the open file description (O_NONBLOCK) and the socket
+  // (SO_*TIMEO) are shared, so a change made through one must reach what is known of the other.
+  std::atomic<uint8_t> shared{0};
+  std::atomic<uint32_t> epoch{0};       // g_shared_epoch when learned (checked for shared ones)
   std::atomic<int64_t> rcv_timeout{0};  // ns, 0: none
   std::atomic<int64_t> snd_timeout{0};
 };
@@ -182,8 +186,28 @@ FdInfo* info(int fd) noexcept {
   return &c[fd & ((1 << kChunkBits) - 1)];
 }
 
+// Bumped when a descriptor marked shared changes its flags or timeouts: every shared descriptor
+// learned before then asks the kernel again.
+std::atomic<uint32_t> g_shared_epoch{1};
+
 void forget(int fd) noexcept {
-  if (FdInfo* i = find_info(fd)) i->flags.store(0, std::memory_order_relaxed);
+  if (FdInfo* i = find_info(fd)) {
+    i->flags.store(0, std::memory_order_relaxed);
+    i->shared.store(0, std::memory_order_relaxed);
+  }
+}
+
+// The descriptor's flags or timeouts changed (fcntl F_SETFL, FIONBIO, SO_*TIMEO).
+void changed(int fd) noexcept {
+  FdInfo* i = find_info(fd);
+  if (i != nullptr && i->shared.load(std::memory_order_relaxed)) g_shared_epoch.fetch_add(1, std::memory_order_relaxed);
+  if (i != nullptr) i->flags.store(0, std::memory_order_relaxed);
+}
+
+// `a` and `b` now share an open file description (dup).
+void mark_shared(int a, int b) noexcept {
+  if (FdInfo* i = info(a)) i->shared.store(1, std::memory_order_relaxed);
+  if (FdInfo* i = info(b)) i->shared.store(1, std::memory_order_relaxed);
 }
 
 int64_t timeval_ns(const timeval& tv) noexcept {
@@ -196,13 +220,18 @@ uint8_t learn(int fd, FdInfo*& out) noexcept {
   out = i;
   if (i == nullptr) return 0;
   uint8_t f = i->flags.load(std::memory_order_relaxed);
-  if (f & kKnown) return f;
+  if ((f & kKnown) && (!i->shared.load(std::memory_order_relaxed) ||
+                      i->epoch.load(std::memory_order_relaxed) == g_shared_epoch.load(std::memory_order_relaxed))) {
+    return f;
+  }
+  const uint32_t epoch = g_shared_epoch.load(std::memory_order_relaxed);
   const long fl = ::syscall(SYS_fcntl, fd, F_GETFL, 0);
   if (fl < 0) return 0;
   struct stat st;
   if (::syscall(SYS_fstat, fd, &st) != 0) return 0;
   f = kKnown;
   if (fl & O_NONBLOCK) f |= kNonblock;
+  if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode)) f |= kSeekable;
   if (S_ISSOCK(st.st_mode)) {
     f |= kSocket;
     timeval tv{};
@@ -211,6 +240,7 @@ uint8_t learn(int fd, FdInfo*& out) noexcept {
     len = sizeof tv;
     if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0) i->snd_timeout.store(timeval_ns(tv), std::memory_order_relaxed);
   }
+  i->epoch.store(epoch, std::memory_order_relaxed);
   i->flags.store(f, std::memory_order_relaxed);
   return f;
 }
@@ -323,7 +353,8 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off) {
   if (may_park()) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNonblock)) return finish(fiber::io::pread(fd, buf, n, off));
+    // Only files have offsets: on a pipe or socket the real call fails with ESPIPE at once.
+    if ((f & kKnown) && !(f & kNonblock) && (f & kSeekable)) return finish(fiber::io::pread(fd, buf, n, off));
   }
   return REAL(pread, SYS_pread64, fd, buf, n, off);
 }
@@ -377,8 +408,16 @@ ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
   if (!(f & kKnown) || (f & kNonblock)) return -2;
-  if (!(f & kSocket)) return finish(wait(0, deadline_of(0)));  // pipes, files: one ring write
   size_t done = 0;
+  if (!(f & kSocket)) {  // pipes, files: a blocking write(2) writes everything too
+    while (done < total) {
+      const ssize_t w = wait(done, deadline_of(0));
+      if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w);
+      if (w == 0) break;
+      done += static_cast<size_t>(w);
+    }
+    return static_cast<ssize_t>(done);
+  }
   const ssize_t r = now();
   if (r < 0 && get_errno() != EAGAIN) return r;
   if (r > 0) done = static_cast<size_t>(r);
@@ -436,14 +475,62 @@ ssize_t sendto(int fd, const void* buf, size_t n, int flags, const struct sockad
   return REAL(sendto, SYS_sendto, fd, buf, n, flags, addr, len);
 }
 
+}  // extern "C"
+
+namespace {
+
+// sendmsg/writev on a blocking descriptor: everything is written (as the kernel's blocking call
+// does), `done` bytes of `m` already were. The rest goes out from a copy of the iovec advanced
+// past what was sent; ancillary data went with the first bytes. Returns the total, or the count
+// so far when a later part times out or fails.
+ssize_t send_rest(int fd, const msghdr& m, int flags, size_t done, fiber::io::Deadline d, bool socket) noexcept {
+  size_t total = 0;
+  for (size_t k = 0; k < m.msg_iovlen; ++k) total += m.msg_iov[k].iov_len;
+  std::vector<iovec> rest;
+  while (done < total) {
+    try {
+      rest.assign(m.msg_iov, m.msg_iov + m.msg_iovlen);
+    } catch (...) {
+      return static_cast<ssize_t>(done);
+    }
+    size_t skip = done, first = 0;
+    while (first < rest.size() && skip >= rest[first].iov_len) skip -= rest[first++].iov_len;
+    rest[first].iov_base = static_cast<char*>(rest[first].iov_base) + skip;
+    rest[first].iov_len -= skip;
+    const int cnt = static_cast<int>(rest.size() - first);
+    ssize_t w;
+    if (socket) {
+      msghdr part = m;
+      part.msg_iov = rest.data() + first;
+      part.msg_iovlen = static_cast<size_t>(cnt);
+      if (done > 0) {
+        part.msg_control = nullptr;
+        part.msg_controllen = 0;
+      }
+      w = fiber::io::sendmsg(fd, &part, flags, d);
+    } else {
+      w = fiber::io::writev(fd, rest.data() + first, cnt, d);
+    }
+    if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w);
+    if (w == 0) break;
+    done += static_cast<size_t>(w);
+  }
+  return static_cast<ssize_t>(done);
+}
+
+}  // namespace
+
+extern "C" {
+
 ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
   if (may_park() && !(flags & MSG_DONTWAIT)) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
     if ((f & kKnown) && !(f & kNonblock)) {
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, msg, flags | MSG_DONTWAIT);
-      if (r >= 0 || get_errno() != EAGAIN) return r;
-      return finish(fiber::io::sendmsg(fd, msg, flags, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))));
+      if (r < 0 && get_errno() != EAGAIN) return r;
+      return send_rest(fd, *msg, flags, r > 0 ? static_cast<size_t>(r) : 0,
+                       deadline_of(i->snd_timeout.load(std::memory_order_relaxed)), true);
     }
   }
   return REAL(sendmsg, SYS_sendmsg, fd, msg, flags);
@@ -454,13 +541,15 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
     if ((f & kKnown) && !(f & kNonblock)) {
-      if (!(f & kSocket)) return finish(fiber::io::writev(fd, iov, cnt));
+      if (cnt < 0 || cnt > IOV_MAX) return REAL(writev, SYS_writev, fd, iov, cnt);  // EINVAL
       msghdr m{};
       m.msg_iov = const_cast<iovec*>(iov);
-      m.msg_iovlen = static_cast<size_t>(cnt < 0 ? 0 : cnt);
+      m.msg_iovlen = static_cast<size_t>(cnt);
+      if (!(f & kSocket)) return send_rest(fd, m, 0, 0, fiber::io::Deadline(), false);
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, &m, MSG_DONTWAIT);
-      if (r >= 0 || get_errno() != EAGAIN) return r;  // a short writev is allowed: the caller loops
-      return finish(fiber::io::writev(fd, iov, cnt, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))));
+      if (r < 0 && get_errno() != EAGAIN) return r;
+      return send_rest(fd, m, 0, r > 0 ? static_cast<size_t>(r) : 0,
+                       deadline_of(i->snd_timeout.load(std::memory_order_relaxed)), true);
     }
   }
   return REAL(writev, SYS_writev, fd, iov, cnt);
@@ -470,7 +559,7 @@ ssize_t pwrite(int fd, const void* buf, size_t n, off_t off) {
   if (may_park()) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNonblock)) return finish(fiber::io::pwrite(fd, buf, n, off));
+    if ((f & kKnown) && !(f & kNonblock) && (f & kSeekable)) return finish(fiber::io::pwrite(fd, buf, n, off));
   }
   return REAL(pwrite, SYS_pwrite64, fd, buf, n, off);
 }
@@ -549,7 +638,8 @@ int poll(struct pollfd* fds, nfds_t n, int timeout) {
 
 int ppoll(struct pollfd* fds, nfds_t n, const struct timespec* ts, const sigset_t* mask) {
   // A signal mask changes what the call means; leave those to the kernel.
-  if (mask != nullptr || (ts && ts->tv_sec == 0 && ts->tv_nsec == 0) || !may_park()) {
+  if (mask != nullptr || (ts && ts->tv_sec == 0 && ts->tv_nsec == 0) || !may_park() ||
+      (ts && (ts->tv_sec < 0 || ts->tv_nsec < 0 || ts->tv_nsec >= 1'000'000'000))) {  // invalid: EINVAL
     return REAL(ppoll, SYS_ppoll, fds, n, ts, mask);
   }
   const int now = real_poll(fds, n, 0);
@@ -600,7 +690,11 @@ int close(int fd) {
   forget(fd);
   // Always through the runtime (also from plain threads): fibers waiting on `fd` must wake.
   // io::close allocates nothing and, with no fiber ever having waited, is the plain close.
-  if (!g_resolved.load(std::memory_order_acquire)) return static_cast<int>(::syscall(SYS_close, fd));
+  // In a forked child the runtime's threads and fibers do not exist: nothing there can wait on
+  // `fd`, and io::close would wait for the parent's waiters forever.
+  if (!g_resolved.load(std::memory_order_acquire) || g_forked_child.load(std::memory_order_relaxed)) {
+    return static_cast<int>(::syscall(SYS_close, fd));
+  }
   return finish(fiber::io::close(fd));
 }
 
@@ -611,8 +705,11 @@ int fcntl(int fd, int cmd, ...) {
   va_end(ap);
   const int rc = REAL(fcntl, SYS_fcntl, fd, cmd, arg);
   if (rc >= 0) {
-    if (cmd == F_SETFL) forget(fd);
-    if (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC) forget(rc);
+    if (cmd == F_SETFL) changed(fd);
+    if (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC) {
+      forget(rc);
+      mark_shared(fd, rc);
+    }
   }
   return rc;
 }
@@ -632,13 +729,13 @@ int ioctl(int fd, unsigned long req, ...) noexcept {
   void* arg = va_arg(ap, void*);
   va_end(ap);
   const int rc = REAL(ioctl, SYS_ioctl, fd, req, arg);
-  if (rc == 0 && req == FIONBIO) forget(fd);
+  if (rc == 0 && req == FIONBIO) changed(fd);
   return rc;
 }
 
 int setsockopt(int fd, int level, int name, const void* val, socklen_t len) noexcept {
   const int rc = REAL(setsockopt, SYS_setsockopt, fd, level, name, val, len);
-  if (rc == 0 && level == SOL_SOCKET && (name == SO_RCVTIMEO || name == SO_SNDTIMEO)) forget(fd);
+  if (rc == 0 && level == SOL_SOCKET && (name == SO_RCVTIMEO || name == SO_SNDTIMEO)) changed(fd);
   return rc;
 }
 
@@ -648,19 +745,28 @@ int getsockopt(int fd, int level, int name, void* val, socklen_t* len) noexcept 
 
 int dup(int fd) noexcept {
   const int rc = REAL(dup, SYS_dup, fd);
-  if (rc >= 0) forget(rc);
+  if (rc >= 0) {
+    forget(rc);
+    mark_shared(fd, rc);
+  }
   return rc;
 }
 
 int dup2(int fd, int fd2) noexcept {
   const int rc = REAL(dup2, SYS_dup2, fd, fd2);
-  if (rc >= 0) forget(rc);
+  if (rc >= 0 && fd != fd2) {
+    forget(rc);
+    mark_shared(fd, rc);
+  }
   return rc;
 }
 
 int dup3(int fd, int fd2, int flags) noexcept {
   const int rc = REAL(dup3, SYS_dup3, fd, fd2, flags);
-  if (rc >= 0) forget(rc);
+  if (rc >= 0) {
+    forget(rc);
+    mark_shared(fd, rc);
+  }
   return rc;
 }
 

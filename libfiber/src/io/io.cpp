@@ -261,7 +261,13 @@ ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadli
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
     case FdKind::File: return f ? offload(plain) : plain();
-    case FdKind::Other: return ready_loop(f, fd, events, dl, !is_nonblocking(fd), plain);
+    case FdKind::Other: {
+      const bool blocking = !is_nonblocking(fd);
+      // A blocking pipe write larger than the room readiness promises (PIPE_BUF) blocks in the
+      // kernel until a reader drains it - maybe a fiber queued behind this one: on the pool.
+      if (blocking && events == EPOLLOUT && f != nullptr) return offload(plain);
+      return ready_loop(f, fd, events, dl, blocking, plain);
+    }
   }
   return -EBADF;
 }
@@ -472,11 +478,19 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
     case Path::Uring:
       return static_cast<int>(
           detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
-    case Path::Ready:
+    case Path::Ready: {
       // A blocking listener would block in accept4 even after readiness if another thread took
       // the connection first; wait for readiness before each try then, and hope for the best.
-      return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, !detail::is_nonblocking(fd),
+      const bool blocking = !detail::is_nonblocking(fd);
+      if (blocking) {
+        // Not listening: the kernel fails at once (EINVAL); readiness would never come.
+        int on = 1;
+        socklen_t len = sizeof on;
+        if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) == 0 && on == 0) return -EINVAL;
+      }
+      return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, blocking,
                                                  [&] { return raw::accept4(fd, addr, addrlen, flags); }));
+    }
     case Path::Thread: break;
   }
   return static_cast<int>(raw::accept4(fd, addr, addrlen, flags));
@@ -497,13 +511,13 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
     if (const int rc = raw::fcntl(fd, F_SETFL, fl | O_NONBLOCK); rc != 0) return rc;
   }
   int rc = static_cast<int>(raw::connect(fd, addr, addrlen));
-  if (rc == -EINPROGRESS) {
+  while (rc == -EINPROGRESS || rc == -EALREADY) {
     rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
-    if (rc == 0) {
-      int err = 0;
-      socklen_t len = sizeof err;
-      rc = getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 ? -errno : -err;
-    }
+    if (rc != 0) break;
+    // Connect again, as the kernel's blocking connect completes: 0 (the socket is now connected,
+    // and a later connect gives EISCONN) or the error (ECONNREFUSED, ...).
+    rc = static_cast<int>(raw::connect(fd, addr, addrlen));
+    if (rc == -EISCONN) rc = 0;
   }
   if (!(fl & O_NONBLOCK)) raw::fcntl(fd, F_SETFL, fl);
   return rc;
@@ -569,11 +583,12 @@ int close(int fd) noexcept {
       lock.lock();
       slot->closers.remove_if_queued(&w);
     }
+    // Still under the lock: once closed, the kernel may hand the number to a new descriptor at
+    // once, and an operation (or close) on that one must not find the slot still closing.
+    const int rc = static_cast<int>(raw::close(fd));
+    slot->closing = false;
+    return rc;
   }
-  const int rc = static_cast<int>(raw::close(fd));
-  std::lock_guard lock(slot->lock);
-  slot->closing = false;
-  return rc;
 }
 
 }  // namespace fiber::io

@@ -4,6 +4,7 @@
 // Each returns the result or -errno, like liburing.
 #pragma once
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -40,7 +41,21 @@ inline int accept4(int fd, sockaddr* a, socklen_t* len, int flags) noexcept {
 inline int connect(int fd, const sockaddr* a, socklen_t len) noexcept {
   return static_cast<int>(ret(::syscall(SYS_connect, fd, a, len)));
 }
+#if defined(FIBER_TSAN) || defined(__SANITIZE_THREAD__)
+// ThreadSanitizer follows descriptors through its interceptors: a close it does not see leaves
+// the number attached to the old file, and the next thread that reuses the number (a socket, an
+// opendir) is reported as racing with whoever opened the old one. Under TSan, close through its
+// interceptor, which then makes the real call (never a hook: it resolves the next close after
+// libtsan, libc's).
+inline int close(int fd) noexcept {
+  using Fn = int (*)(int);
+  static const Fn intercepted = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "__interceptor_close"));
+  if (intercepted != nullptr) return static_cast<int>(ret(intercepted(fd)));
+  return static_cast<int>(ret(::syscall(SYS_close, fd)));
+}
+#else
 inline int close(int fd) noexcept { return static_cast<int>(ret(::syscall(SYS_close, fd))); }
+#endif
 inline int ppoll(pollfd* fds, nfds_t n, const timespec* ts) noexcept {
   return static_cast<int>(ret(::syscall(SYS_ppoll, fds, n, ts, nullptr, _NSIG / 8)));
 }

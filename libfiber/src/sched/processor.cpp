@@ -569,7 +569,10 @@ void Processor::park_thread() noexcept {
   const int64_t retire_after = retirable_ ? sched_.retire_after_ns() : 0;
   int64_t idle_since = retirable_ ? steady_now_ns() : 0;
   while (!shutdown_.load(std::memory_order_acquire)) {
-    if (maintenance() && transition_from_parked()) return;
+    // maintenance() polls the engine, which may consume a waker's eventfd wake: so check for
+    // that wake (we are off the sleepers list) before waiting, or we would sleep through it.
+    maintenance();
+    if (transition_from_parked()) return;
     const int64_t next = timers_.next_deadline();
     const int64_t now = (next != TimerQueue::kNone || retirable_) ? steady_now_ns() : 0;
     int64_t timeout = -1;
