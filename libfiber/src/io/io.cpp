@@ -205,6 +205,9 @@ int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept 
 }
 
 int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl) noexcept {
+  // poll() skips a negative descriptor (it would wait out the deadline) and the epoll engine
+  // indexes its table with it.
+  if (fd < 0) return -EBADF;
   return f ? wait_ready_fiber(fd, events, dl) : wait_ready_thread(fd, events, dl);
 }
 
@@ -253,20 +256,28 @@ bool is_nonblocking(int fd) noexcept {
 
 // The readiness path of a transfer: `sock` is the socket form (MSG_DONTWAIT, never blocks),
 // `plain` the call for other descriptors (made once the descriptor is ready, or directly for
-// regular files, which are always ready).
-template <typename Sock, typename Plain>
-ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, Sock&& sock,
-                       Plain&& plain) noexcept {
+// regular files, which are always ready), `nowait` its RWF_NOWAIT form (-EAGAIN rather than
+// blocking, where the file supports it: pipes and FIFOs; else -EOPNOTSUPP).
+template <typename Sock, typename Plain, typename NoWait>
+ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, Sock&& sock, Plain&& plain,
+                       NoWait&& nowait) noexcept {
   switch (classify(fd)) {
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
     case FdKind::File: return f ? offload(plain) : plain();
     case FdKind::Other: {
-      const bool blocking = !is_nonblocking(fd);
-      // A blocking pipe write larger than the room readiness promises (PIPE_BUF) blocks in the
-      // kernel until a reader drains it - maybe a fiber queued behind this one: on the pool.
-      if (blocking && events == EPOLLOUT && f != nullptr) return offload(plain);
-      return ready_loop(f, fd, events, dl, blocking, plain);
+      if (is_nonblocking(fd)) return ready_loop(f, fd, events, dl, false, plain);
+      // Blocking: readiness does not make the plain call safe (a pipe write waits for room for
+      // all of it, stalling the processor or outliving the deadline). Try without blocking.
+      const ssize_t r = nowait();
+      if (r == -EOPNOTSUPP) {
+        // No RWF_NOWAIT here (a tty, a character device): a fiber's write goes to the pool; a
+        // read after readiness is the best we can do.
+        if (f != nullptr && events == EPOLLOUT) return offload(plain);
+        return ready_loop(f, fd, events, dl, true, plain);
+      }
+      if (r != -EAGAIN) return r;
+      return ready_loop(f, fd, events, dl, true, nowait);
     }
   }
   return -EBADF;
@@ -313,7 +324,11 @@ ssize_t read(int fd, void* buf, size_t n, Deadline dl) noexcept {
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), -1); });
     case Path::Ready:
       return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return raw::recv(fd, buf, n, MSG_DONTWAIT); }, [&] { return raw::read(fd, buf, n); });
+          f, fd, EPOLLIN, dl, [&] { return raw::recv(fd, buf, n, MSG_DONTWAIT); }, [&] { return raw::read(fd, buf, n); },
+          [&] {
+            const iovec v{buf, n};
+            return raw::preadv2(fd, &v, 1, RWF_NOWAIT);
+          });
     case Path::Thread: break;
   }
   return raw::read(fd, buf, n);
@@ -335,7 +350,11 @@ ssize_t write(int fd, const void* buf, size_t n, Deadline dl) noexcept {
     }
     case Path::Ready:
       return detail::transfer_ready(
-          f, fd, EPOLLOUT, dl, [&] { return detail::send_now(fd, buf, n, 0); }, [&] { return raw::write(fd, buf, n); });
+          f, fd, EPOLLOUT, dl, [&] { return detail::send_now(fd, buf, n, 0); }, [&] { return raw::write(fd, buf, n); },
+          [&] {
+            const iovec v{const_cast<void*>(buf), n};
+            return raw::pwritev2(fd, &v, 1, RWF_NOWAIT);
+          });
     case Path::Thread: break;
   }
   const ssize_t r = raw::send(fd, buf, n, MSG_NOSIGNAL);
@@ -352,7 +371,8 @@ ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
     case Path::Ready: {
       msghdr m = detail::iov_msg(iov, iovcnt);
       return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); }, [&] { return raw::readv(fd, iov, iovcnt); });
+          f, fd, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); }, [&] { return raw::readv(fd, iov, iovcnt); },
+          [&] { return raw::preadv2(fd, iov, iovcnt, RWF_NOWAIT); });
     }
     case Path::Thread: break;
   }
@@ -376,7 +396,7 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
     case Path::Ready:
       return detail::transfer_ready(
           f, fd, EPOLLOUT, dl, [&] { return raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL); },
-          [&] { return raw::writev(fd, iov, iovcnt); });
+          [&] { return raw::writev(fd, iov, iovcnt); }, [&] { return raw::pwritev2(fd, iov, iovcnt, RWF_NOWAIT); });
     case Path::Thread: break;
   }
   const ssize_t r = raw::sendmsg(fd, &m, MSG_NOSIGNAL);
@@ -475,9 +495,15 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   switch (detail::path_of(f, dl)) {
-    case Path::Uring:
+    case Path::Uring: {
+      // Not a listening socket: fail now (the ring would wait for a connection that never comes).
+      int on = 1;
+      socklen_t len = sizeof on;
+      if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) != 0) return -errno;
+      if (on == 0) return -EINVAL;
       return static_cast<int>(
           detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
+    }
     case Path::Ready: {
       // A blocking listener would block in accept4 even after readiness if another thread took
       // the connection first; wait for readiness before each try then, and hope for the best.

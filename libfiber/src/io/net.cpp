@@ -185,7 +185,11 @@ int Stream::shutdown(int how) noexcept { return ::shutdown(fd_, how) == 0 ? 0 : 
 
 int Stream::close() noexcept {
   if (fd_ < 0) return 0;
-  return io::close(std::exchange(fd_, -1));
+  // fd_ changes only once io::close has drained the fibers waiting on it: their reads of fd_
+  // (made before they listed themselves on the descriptor) happen before this write.
+  const int rc = io::close(fd_);
+  fd_ = -1;
+  return rc;
 }
 
 int Stream::set_nodelay(bool on) noexcept {
@@ -250,7 +254,9 @@ Result<Stream> Listener::accept(io::Deadline deadline) {
 
 int Listener::close() noexcept {
   if (fd_ < 0) return 0;
-  return io::close(std::exchange(fd_, -1));
+  const int rc = io::close(fd_);  // as Stream::close
+  fd_ = -1;
+  return rc;
 }
 
 }  // namespace fiber::net

@@ -27,6 +27,13 @@ inline ssize_t pread(int fd, void* buf, size_t n, off_t off) noexcept { return r
 inline ssize_t pwrite(int fd, const void* buf, size_t n, off_t off) noexcept {
   return ret(::syscall(SYS_pwrite64, fd, buf, n, off));
 }
+// preadv2/pwritev2 at the file position (offset -1), for RWF_NOWAIT.
+inline ssize_t preadv2(int fd, const iovec* iov, int cnt, int flags) noexcept {
+  return ret(::syscall(SYS_preadv2, fd, iov, cnt, -1L, 0L, flags));
+}
+inline ssize_t pwritev2(int fd, const iovec* iov, int cnt, int flags) noexcept {
+  return ret(::syscall(SYS_pwritev2, fd, iov, cnt, -1L, 0L, flags));
+}
 inline ssize_t recv(int fd, void* buf, size_t n, int flags) noexcept {
   return ret(::syscall(SYS_recvfrom, fd, buf, n, flags, nullptr, nullptr));
 }
