@@ -1,0 +1,671 @@
+// The semantics a caller keeps inside a fiber (hooks/hook.cpp, header comment; DESIGN.md §8):
+//   - the O_NONBLOCK it set, by any means and at any time, still gives EAGAIN;
+//   - no timeout unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry EAGAIN (connect:
+//     EINPROGRESS), and what the kernel knows of the descriptor is the truth (dup shares it);
+//   - close from another fiber (or thread) wakes a fiber blocked on the descriptor with EBADF;
+//   - errno is right after a park, after a migration, and per fiber;
+//   - a cancelled sleep reports EINTR; a signal handler gets the real calls.
+#include <doctest/doctest.h>
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hook_util.hpp"
+
+using namespace hook_test;
+
+namespace {
+
+void write_str(int fd, const char* s) {
+  const size_t n = std::strlen(s);
+  REQUIRE(::write(fd, s, n) == static_cast<ssize_t>(n));
+}
+
+void set_timeout(int fd, int opt, std::chrono::microseconds d) {
+  timeval tv{static_cast<time_t>(d.count() / 1'000'000), static_cast<suseconds_t>(d.count() % 1'000'000)};
+  REQUIRE(::setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv) == 0);
+}
+
+std::chrono::microseconds get_timeout(int fd, int opt) {
+  timeval tv{};
+  socklen_t len = sizeof tv;
+  REQUIRE(::getsockopt(fd, SOL_SOCKET, opt, &tv, &len) == 0);
+  return std::chrono::seconds(tv.tv_sec) + std::chrono::microseconds(tv.tv_usec);
+}
+
+int open_fds() {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+    ::closedir(d);
+  }
+  return n;
+}
+
+// The kernel keeps socket timeouts in clock ticks: what getsockopt reports may be rounded up.
+bool near(std::chrono::microseconds got, std::chrono::microseconds want) {
+  return got >= want && got <= want + std::chrono::milliseconds(10);
+}
+
+// A blocking read of one byte that must park until `writer` end gets a byte.
+void expect_read_parks(int rd, int wr, const std::string& what) {
+  char c = 0;
+  auto r = parked_call([&] { return call([&] { return ::read(rd, &c, 1); }); }, [&] { write_str(wr, "p"); });
+  CHECK_MESSAGE(r.value.r == 1, what << ": read gave " << r.value.r << " errno " << err_str(r.value.e));
+  CHECK_MESSAGE(r.parked, what << ": the read did not park");
+}
+
+// A read of one byte that must give EAGAIN at once. Were it to park instead, a byte written to
+// `wr` ends it (and the check fails).
+void expect_read_eagain(int rd, int wr, const std::string& what) {
+  char c;
+  auto r = no_park_call([&] { return call([&] { return ::read(rd, &c, 1); }); }, [&] { write_str(wr, "w"); });
+  CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN),
+                what << ": read gave " << r.value.r << " errno " << err_str(r.value.e) << " instead of EAGAIN");
+  CHECK_MESSAGE(!r.parked, what << ": the read parked");
+}
+
+}  // namespace
+
+TEST_SUITE("hooked") {
+// ================================================================================ O_NONBLOCK
+
+TEST_CASE("semantics: O_NONBLOCK set with fcntl or FIONBIO after a blocking use gives EAGAIN; clearing it parks again") {
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    expect_read_parks(p.a, p.b, "socket, blocking at first");  // the hook has now seen p.a blocking
+    REQUIRE(::fcntl(p.a, F_SETFL, ::fcntl(p.a, F_GETFL) | O_NONBLOCK) == 0);
+    expect_read_eagain(p.a, p.b, "socket after fcntl(O_NONBLOCK)");
+    REQUIRE(::fcntl(p.a, F_SETFL, ::fcntl(p.a, F_GETFL) & ~O_NONBLOCK) == 0);
+    expect_read_parks(p.a, p.b, "socket after fcntl cleared O_NONBLOCK");
+    int on = 1;
+    REQUIRE(::ioctl(p.a, FIONBIO, &on) == 0);
+    CHECK(is_nonblocking(p.a));
+    expect_read_eagain(p.a, p.b, "socket after ioctl(FIONBIO, 1)");
+    int off = 0;
+    REQUIRE(::ioctl(p.a, FIONBIO, &off) == 0);
+    expect_read_parks(p.a, p.b, "socket after ioctl(FIONBIO, 0)");
+
+    Pair q = make_pipe();
+    expect_read_parks(q.a, q.b, "pipe, blocking at first");
+    REQUIRE(::fcntl(q.a, F_SETFL, O_NONBLOCK) == 0);
+    expect_read_eagain(q.a, q.b, "pipe after fcntl(O_NONBLOCK)");
+    REQUIRE(::ioctl(q.a, FIONBIO, &off) == 0);
+    expect_read_parks(q.a, q.b, "pipe after ioctl(FIONBIO, 0)");
+    REQUIRE(::ioctl(q.a, FIONBIO, &on) == 0);
+    expect_read_eagain(q.a, q.b, "pipe after ioctl(FIONBIO, 1)");
+
+    // The caller's flags are exactly what it set: the runtime changed nothing.
+    CHECK(::fcntl(p.a, F_GETFL) == O_RDWR);
+    CHECK(::fcntl(q.a, F_GETFL) == (O_RDONLY | O_NONBLOCK));
+  });
+}
+
+TEST_CASE("semantics: SOCK_NONBLOCK, accept4(SOCK_NONBLOCK) and pipe2(O_NONBLOCK) give EAGAIN on every call") {
+  on_fiber(1, [] {
+    Pair sp = make_socketpair(SOCK_NONBLOCK);
+    Pair pp = make_pipe(O_NONBLOCK);
+    Listener l = tcp_listener();
+    Fd c(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    ::connect(c, sa(l.addr), sizeof l.addr);  // EINPROGRESS
+    Fd a(::accept4(l.fd, nullptr, nullptr, SOCK_NONBLOCK));
+    REQUIRE(a >= 0);
+    for (int round = 0; round < 3; ++round) {  // the answer stays the same once known
+      expect_read_eagain(sp.a, sp.b, "socketpair(SOCK_NONBLOCK)");
+      expect_read_eagain(pp.a, pp.b, "pipe2(O_NONBLOCK)");
+      expect_read_eagain(a, c, "accept4(SOCK_NONBLOCK)");
+      char buf[4];
+      const Res r = call([&] { return ::recv(a, buf, sizeof buf, 0); });
+      CHECK((r.r == -1 && r.e == EAGAIN));
+      iovec iov{buf, sizeof buf};
+      const Res rv = call([&] { return ::readv(pp.a, &iov, 1); });
+      CHECK((rv.r == -1 && rv.e == EAGAIN));
+    }
+    // MSG_DONTWAIT on a blocking socket: EAGAIN too.
+    Pair b = make_socketpair();
+    char x;
+    auto d = no_park_call([&] { return call([&] { return ::recv(b.a, &x, 1, MSG_DONTWAIT); }); },
+                          [&] { write_str(b.b, "w"); });
+    CHECK((d.value.r == -1 && d.value.e == EAGAIN));
+    CHECK(!d.parked);
+  });
+}
+
+// O_NONBLOCK belongs to the open file description, which dup shares: the kernel applies it to
+// every descriptor of that description, however it was set.
+TEST_CASE("semantics: O_NONBLOCK and SO_RCVTIMEO set through a dup apply to the original descriptor") {
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    expect_read_parks(p.a, p.b, "original, blocking");
+    Fd d(::dup(p.a));
+    REQUIRE(d >= 0);
+    REQUIRE(::fcntl(d, F_SETFL, O_NONBLOCK) == 0);
+    REQUIRE(is_nonblocking(p.a));  // the kernel says so
+    expect_read_eagain(d, p.b, "the dup after fcntl(O_NONBLOCK) on it");
+    expect_read_eagain(p.a, p.b, "the original after fcntl(O_NONBLOCK) on its dup");
+  });
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    expect_read_parks(p.a, p.b, "original, no timeout");
+    Fd d(::dup(p.a));
+    set_timeout(d, SO_RCVTIMEO, 40ms);
+    REQUIRE(near(get_timeout(p.a, SO_RCVTIMEO), 40ms));  // the kernel says so
+    char c;
+    auto r = parked_call([&] { return call([&] { return ::read(p.a, &c, 1); }); },
+                         [&] {
+                           // Were the read to wait on without the timeout, this byte ends it.
+                           std::this_thread::sleep_for(scaled(3'000ms));
+                           write_str(p.b, "w");
+                         });
+    CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN),
+                  "SO_RCVTIMEO set through a dup did not time out a read on the original: " << r.value.r << " errno "
+                                                                                             << err_str(r.value.e));
+  });
+}
+
+// ================================================================================ timeouts
+
+TEST_CASE("semantics: no timeout by default: a read waits as long as it takes") {
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    CHECK(get_timeout(p.a, SO_RCVTIMEO) == 0us);
+    char c = 0;
+    auto r = parked_call([&] { return call([&] { return ::read(p.a, &c, 1); }); },
+                         [&] {
+                           std::this_thread::sleep_for(500ms);
+                           write_str(p.b, "L");
+                         });
+    CHECK(r.value.r == 1);
+    CHECK(c == 'L');
+    CHECK(r.parked);
+  });
+}
+
+TEST_CASE("semantics: SO_RCVTIMEO expiry gives EAGAIN from every read and from accept") {
+  using ReadCall = long (*)(int);
+  const std::pair<const char*, ReadCall> reads[] = {
+      {"read", [](int fd) -> long { char c; return ::read(fd, &c, 1); }},
+      {"readv", [](int fd) -> long { char c; iovec iov{&c, 1}; return ::readv(fd, &iov, 1); }},
+      {"recv", [](int fd) -> long { char c; return ::recv(fd, &c, 1, 0); }},
+      {"recvfrom", [](int fd) -> long {
+         char c;
+         sockaddr_storage ss;
+         socklen_t len = sizeof ss;
+         return ::recvfrom(fd, &c, 1, 0, reinterpret_cast<sockaddr*>(&ss), &len);
+       }},
+      {"recvmsg", [](int fd) -> long {
+         char c;
+         iovec iov{&c, 1};
+         msghdr m{};
+         m.msg_iov = &iov;
+         m.msg_iovlen = 1;
+         return ::recvmsg(fd, &m, 0);
+       }},
+  };
+  on_fiber(1, [&] {
+    for (const auto& [name, fn] : reads) {
+      Pair p = make_socketpair();
+      expect_read_parks(p.a, p.b, "before SO_RCVTIMEO");  // known without a timeout first
+      set_timeout(p.a, SO_RCVTIMEO, 40ms);
+      CHECK(near(get_timeout(p.a, SO_RCVTIMEO), 40ms));
+      const auto t0 = Clock::now();
+      auto r = parked_call([&] { return call([&] { return fn(p.a); }); }, [] {});
+      CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN),
+                    std::string(name) << " with SO_RCVTIMEO: " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK_MESSAGE(r.parked, name);
+      CHECK_MESSAGE(Clock::now() - t0 >= 40ms, std::string(name) << " timed out early");
+      // Data within the timeout still arrives.
+      auto ok = parked_call([&] { return call([&] { return fn(p.a); }); }, [&] { write_str(p.b, "d"); });
+      CHECK_MESSAGE(ok.value.r == 1, std::string(name) << " within SO_RCVTIMEO");
+    }
+    // accept on a listener with SO_RCVTIMEO.
+    Listener l = tcp_listener();
+    set_timeout(l.fd, SO_RCVTIMEO, 40ms);
+    auto a = parked_call([&] { return call([&] { return ::accept(l.fd, nullptr, nullptr); }); }, [] {});
+    CHECK_MESSAGE((a.value.r == -1 && a.value.e == EAGAIN), "accept with SO_RCVTIMEO: errno " << err_str(a.value.e));
+    CHECK(a.parked);
+    // Removing the timeout: waits for data again.
+    Pair p = make_socketpair();
+    set_timeout(p.a, SO_RCVTIMEO, 20ms);
+    char c;
+    CHECK(::read(p.a, &c, 1) == -1);
+    set_timeout(p.a, SO_RCVTIMEO, 0us);
+    auto r = parked_call([&] { return call([&] { return ::read(p.a, &c, 1); }); },
+                         [&] {
+                           std::this_thread::sleep_for(100ms);
+                           write_str(p.b, "n");
+                         });
+    CHECK(r.value.r == 1);
+  });
+}
+
+TEST_CASE("semantics: SO_SNDTIMEO expiry gives EAGAIN from writes, a partial count after progress, EINPROGRESS from connect") {
+  using WriteCall = long (*)(int);
+  const std::pair<const char*, WriteCall> writes[] = {
+      {"write", [](int fd) -> long { return ::write(fd, "x", 1); }},
+      {"writev", [](int fd) -> long { iovec iov{const_cast<char*>("x"), 1}; return ::writev(fd, &iov, 1); }},
+      {"send", [](int fd) -> long { return ::send(fd, "x", 1, 0); }},
+      {"sendto", [](int fd) -> long { return ::sendto(fd, "x", 1, 0, nullptr, 0); }},
+      {"sendmsg", [](int fd) -> long {
+         iovec iov{const_cast<char*>("x"), 1};
+         msghdr m{};
+         m.msg_iov = &iov;
+         m.msg_iovlen = 1;
+         return ::sendmsg(fd, &m, 0);
+       }},
+  };
+  on_fiber(1, [&] {
+    for (const auto& [name, fn] : writes) {
+      Pair p = make_socketpair();
+      CHECK(fn(p.b) == 1);  // known without a timeout first
+      set_timeout(p.b, SO_SNDTIMEO, 40ms);
+      CHECK(near(get_timeout(p.b, SO_SNDTIMEO), 40ms));
+      fill(p.b);
+      const auto t0 = Clock::now();
+      auto r = parked_call([&] { return call([&] { return fn(p.b); }); }, [] {});
+      CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN),
+                    std::string(name) << " on a full socket with SO_SNDTIMEO: " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK_MESSAGE(r.parked, name);
+      CHECK_MESSAGE(Clock::now() - t0 >= 40ms, std::string(name) << " timed out early");
+    }
+    // Some bytes went out before the timeout: the count, not an error.
+    Pair p = make_socketpair();
+    set_timeout(p.b, SO_SNDTIMEO, 40ms);
+    std::vector<char> big(4 << 20);
+    auto r = parked_call([&] { return call([&] { return ::write(p.b, big.data(), big.size()); }); }, [] {});
+    CHECK_MESSAGE(r.value.r > 0, "a big write with SO_SNDTIMEO: " << r.value.r << " errno " << err_str(r.value.e));
+    CHECK(r.value.r < static_cast<long>(big.size()));
+    CHECK(r.parked);
+  });
+  // connect that cannot complete: EINPROGRESS when SO_SNDTIMEO expires.
+  on_fiber(1, [] {
+    FullListener f = full_listener();
+    Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+    set_timeout(c, SO_SNDTIMEO, 50ms);
+    auto r = parked_call([&] { return call([&] { return ::connect(c, sa(f.l.addr), sizeof f.l.addr); }); }, [] {});
+    CHECK_MESSAGE((r.value.r == -1 && r.value.e == EINPROGRESS),
+                  "connect with SO_SNDTIMEO to a full listener: " << r.value.r << " errno " << err_str(r.value.e));
+    CHECK(r.parked);
+  });
+}
+
+TEST_CASE("semantics: connect refused gives ECONNREFUSED, also from many fibers on several processors") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const sockaddr_in nobody = refused_addr();
+    std::vector<fiber::JoinHandle<Res>> hs;
+    for (int i = 0; i < 32; ++i) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&nobody] {
+        Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+        return call([&] { return ::connect(c, sa(nobody), sizeof nobody); });
+      }));
+    }
+    for (auto& h : hs) {
+      const Res r = h.join();
+      CHECK_MESSAGE((r.r == -1 && r.e == ECONNREFUSED), "connect: " << r.r << " errno " << err_str(r.e));
+    }
+  }, {1, 4});
+}
+
+// ================================================================================ close wakes
+
+TEST_CASE("semantics: close from another fiber wakes a fiber blocked on the descriptor with EBADF") {
+  using BlockedCall = long (*)(int);
+  const std::pair<const char*, BlockedCall> calls[] = {
+      {"read", [](int fd) -> long { char c; return ::read(fd, &c, 1); }},
+      {"recv", [](int fd) -> long { char c; return ::recv(fd, &c, 1, 0); }},
+      {"readv", [](int fd) -> long { char c; iovec iov{&c, 1}; return ::readv(fd, &iov, 1); }},
+      {"accept", [](int fd) -> long { return ::accept(fd, nullptr, nullptr); }},
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int n) {
+    for (const auto& [name, fn] : calls) {
+      for (bool pipe : {false, true}) {
+        const bool listener = std::string(name) == "accept";
+        if (pipe && (listener || std::string(name) == "recv")) continue;
+        Pair p = pipe ? make_pipe() : make_socketpair();
+        Listener l;
+        if (listener) l = tcp_listener();
+        const int fd = listener ? l.fd.release() : p.a.release();
+        std::atomic<bool> entering{false};
+        auto blocked = fiber::spawn({.scheduler = &s}, [&entering, fn, fd] {
+          entering = true;
+          return call([&] { return fn(fd); });
+        });
+        auto closer = fiber::spawn({.scheduler = &s}, [&entering, fd, n] {
+          while (!entering.load()) fiber::this_fiber::yield();
+          // On one processor this fiber runs only once the other has parked; elsewhere give it a
+          // moment to (were it not parked yet, its call fails with EBADF all the same).
+          if (n > 1) fiber::this_fiber::sleep_for(20ms);
+          return call([&] { return ::close(fd); });
+        });
+        const Res c = closer.join();
+        const Res r = blocked.join();
+        CHECK_MESSAGE(c.r == 0, std::string(name) << ": close gave errno " << err_str(c.e));
+        CHECK_MESSAGE((r.r == -1 && r.e == EBADF), std::string(name) << (pipe ? " on a pipe" : " on a socket") << " woken by close: "
+                                                       << r.r << " errno " << err_str(r.e));
+        CHECK(::fcntl(fd, F_GETFD) == -1);  // and the descriptor is closed
+      }
+    }
+  }, {1, 2, 4});
+}
+
+TEST_CASE("semantics: close from another fiber wakes a fiber in poll on the descriptor") {
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    const int fd = p.a.release();
+    std::atomic<bool> entering{false};
+    auto blocked = fiber::spawn([&] {
+      pollfd pf{fd, POLLIN, 0};
+      entering = true;
+      const Res r = call([&] { return ::poll(&pf, 1, -1); });
+      return std::make_pair(r, pf.revents);
+    });
+    while (!entering.load()) fiber::this_fiber::yield();
+    CHECK(::close(fd) == 0);
+    auto [r, revents] = blocked.join();
+    // The kernel's poll would not notice a close; the hook ends it with POLLNVAL (or EBADF).
+    CHECK_MESSAGE(((r.r == 1 && (revents & POLLNVAL)) || (r.r == -1 && r.e == EBADF)),
+                  "poll woken by close: " << r.r << " revents " << revents << " errno " << err_str(r.e));
+  });
+}
+
+TEST_CASE("semantics: close from a plain thread wakes a fiber blocked in read") {
+  fiber::Scheduler s({.processors = 1, .name = "hk"});
+  Watchdog dog(30'000ms, "close from a plain thread");
+  Pair p = make_socketpair();
+  const int fd = p.a.release();
+  std::atomic<bool> entering{false};
+  auto blocked = fiber::spawn({.scheduler = &s}, [&] {
+    entering = true;
+    char c;
+    return call([&] { return ::read(fd, &c, 1); });
+  });
+  REQUIRE(thread_wait([&] { return entering.load(); }));
+  std::this_thread::sleep_for(20ms);  // let it park (were it not parked yet: EBADF all the same)
+  CHECK(::close(fd) == 0);
+  const Res r = blocked.join();
+  CHECK_MESSAGE((r.r == -1 && r.e == EBADF), "read woken by close: " << r.r << " errno " << err_str(r.e));
+}
+
+// ================================================================================ dup
+
+TEST_CASE("semantics: dup, dup2, dup3 and F_DUPFD give descriptors that behave as the kernel says") {
+  on_fiber(1, [] {
+    // dup of a blocking socket parks; of a non-blocking one gives EAGAIN.
+    Pair p = make_socketpair();
+    Fd d(::dup(p.a));
+    REQUIRE(d >= 0);
+    expect_read_parks(d, p.b, "dup of a blocking socket");
+    Pair nb = make_socketpair(SOCK_NONBLOCK);
+    Fd dn(::dup(nb.a));
+    expect_read_eagain(dn, nb.b, "dup of a non-blocking socket");
+
+    // dup2 over a number the hook knew as non-blocking, with a blocking socket: parks now.
+    Pair target = make_socketpair(SOCK_NONBLOCK);
+    expect_read_eagain(target.a, target.b, "the target, non-blocking");
+    Pair src = make_socketpair();
+    REQUIRE(::dup2(src.a, target.a) == target.a);
+    CHECK_FALSE(is_nonblocking(target.a));
+    expect_read_parks(target.a, src.b, "dup2 of a blocking socket over a known non-blocking number");
+
+    // ... and the other way round, with dup3(O_CLOEXEC): EAGAIN now.
+    Pair t2 = make_socketpair();
+    expect_read_parks(t2.a, t2.b, "the target, blocking");
+    Pair src2 = make_socketpair(SOCK_NONBLOCK);
+    REQUIRE(::dup3(src2.a, t2.a, O_CLOEXEC) == t2.a);
+    CHECK((::fcntl(t2.a, F_GETFD) & FD_CLOEXEC) != 0);
+    expect_read_eagain(t2.a, src2.b, "dup3 of a non-blocking socket over a known blocking number");
+
+    // A pipe dup2'ed over a socket number: read parks as on a pipe.
+    Pair t3 = make_socketpair();
+    expect_read_parks(t3.a, t3.b, "the target, a socket");
+    Pair pp = make_pipe();
+    REQUIRE(::dup2(pp.a, t3.a) == t3.a);
+    expect_read_parks(t3.a, pp.b, "dup2 of a pipe over a known socket number");
+    char c;
+    const Res notsock = call([&] { return ::recv(t3.a, &c, 1, 0); });
+    CHECK((notsock.r == -1 && notsock.e == ENOTSOCK));
+
+    // F_DUPFD / F_DUPFD_CLOEXEC.
+    Fd fd1(::fcntl(p.a, F_DUPFD, 100));
+    CHECK(fd1 >= 100);
+    expect_read_parks(fd1, p.b, "F_DUPFD of a blocking socket");
+    Fd fd2(::fcntl(nb.a, F_DUPFD_CLOEXEC, 0));
+    REQUIRE(fd2 >= 0);
+    CHECK((::fcntl(fd2, F_GETFD) & FD_CLOEXEC) != 0);
+    expect_read_eagain(fd2, nb.b, "F_DUPFD_CLOEXEC of a non-blocking socket");
+
+    // The kernel's errors.
+    const Res e1 = call([] { return ::dup(-1); });
+    CHECK((e1.r == -1 && e1.e == EBADF));
+    CHECK(::dup2(p.a, p.a) == p.a);
+    const Res e2 = call([&] { return ::dup3(p.a, p.a, 0); });
+    CHECK((e2.r == -1 && e2.e == EINVAL));
+    const Res e3 = call([&] { return ::dup3(p.a, 200, 0x7fff); });
+    CHECK((e3.r == -1 && e3.e == EINVAL));
+  });
+}
+
+TEST_CASE("semantics: setsockopt and getsockopt pass through") {
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    int type = 0;
+    socklen_t len = sizeof type;
+    CHECK(::getsockopt(p.a, SOL_SOCKET, SO_TYPE, &type, &len) == 0);
+    CHECK(type == SOCK_STREAM);
+    int sz = 1 << 16;
+    CHECK(::setsockopt(p.a, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz) == 0);
+    set_timeout(p.a, SO_SNDTIMEO, 1500ms);
+    CHECK(near(get_timeout(p.a, SO_SNDTIMEO), 1500ms));
+    CHECK(get_timeout(p.a, SO_RCVTIMEO) == 0us);
+    const Res bad = call([&] { return ::setsockopt(p.a, SOL_SOCKET, SO_RCVTIMEO, &sz, 1); });
+    CHECK((bad.r == -1 && bad.e == EINVAL));
+    Pair pp = make_pipe();
+    const Res ns = call([&] { return ::getsockopt(pp.a, SOL_SOCKET, SO_TYPE, &type, &len); });
+    CHECK((ns.r == -1 && ns.e == ENOTSOCK));
+  });
+}
+
+// ================================================================================ errno
+
+// Many fibers on several processors, each making calls that park and then fail with a known
+// errno, and checking it - after the call may have resumed on another thread. Runs until it has
+// seen at least a few calls that changed threads (bounded).
+TEST_CASE("semantics: errno is right after a park and after a migration") {
+  for_each_proc_count([](fiber::Scheduler& s, int n) {
+    const sockaddr_in nobody = refused_addr();
+    std::atomic<int> migrated{0}, checked{0}, wrong{0};
+    std::atomic<bool> stop{false};
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int f = 0; f < 24; ++f) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&, f] {
+        Pair p = make_socketpair();
+        set_timeout(p.a, SO_RCVTIMEO, std::chrono::microseconds(500 + 100 * (f % 5)));
+        for (int i = 0; !stop.load() && i < 4000; ++i) {
+          const pid_t before = os_tid();
+          int want;
+          Res r;
+          switch ((i + f) % 4) {
+            case 0: {
+              char c;
+              want = EAGAIN;
+              set_err(-7);
+              r = call([&] { return ::read(p.a, &c, 1); });
+              break;
+            }
+            case 1: {
+              Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+              want = ECONNREFUSED;
+              r = call([&] { return ::connect(c, sa(nobody), sizeof nobody); });
+              break;
+            }
+            case 2: {
+              // A successful park (usleep), then a failure without a park: EBADF.
+              ::usleep(50);
+              char c;
+              want = EBADF;
+              r = call([&] { return ::read(-1, &c, 1); });
+              break;
+            }
+            default: {
+              char c;
+              iovec iov{&c, 1};
+              want = EAGAIN;
+              r = call([&] { return ::readv(p.a, &iov, 1); });
+              break;
+            }
+          }
+          const pid_t after = os_tid();
+          checked.fetch_add(1);
+          if (!(r.r == -1 && r.e == want)) {
+            if (wrong.fetch_add(1) < 5) {
+              FAIL_CHECK("fiber " << f << " call " << i << ": " << r.r << " errno " << r.e << " (" << err_str(r.e)
+                                  << "), expected " << err_str(want) << std::string(before != after ? " after migrating" : ""));
+            }
+          }
+          if (before != after) migrated.fetch_add(1);
+          if (n > 1 && migrated.load() >= 50 && i >= 40) break;
+          if (n == 1 && i >= 40) break;
+        }
+      }));
+    }
+    // Bounded: stop asking once enough migrations were seen or the time is up.
+    if (n > 1) {
+      wait_for([&] { return migrated.load() >= 50; }, 20'000ms, 1ms);
+      stop = true;
+    }
+    for (auto& h : hs) h.join();
+    CHECK(wrong.load() == 0);
+    MESSAGE("processors=" << n << ": " << checked.load() << " calls checked, " << migrated.load()
+                          << " resumed on another thread");
+    if (n > 1) CHECK_MESSAGE(migrated.load() > 0, "no call resumed on another thread: migration was not exercised");
+  }, {1, 2, 4}, true, 90'000ms);
+}
+
+// close() of one descriptor while other fibers create descriptors - which the kernel may give
+// the number just freed - and use them at once. Every call on a new descriptor must work, and
+// every close must close (0): nothing may leak.
+TEST_CASE("semantics: a descriptor number reused right after close works at once") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const sockaddr_in nobody = refused_addr();
+    const int open_before = open_fds();
+    std::atomic<int> stray_ebadf{0}, bad_close{0}, other{0};
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int f = 0; f < 16; ++f) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&] {
+        for (int i = 0; i < 200; ++i) {
+          const int c = ::socket(AF_INET, SOCK_STREAM, 0);
+          if (c < 0) {
+            other.fetch_add(1);
+            continue;
+          }
+          const Res r = call([&] { return ::connect(c, sa(nobody), sizeof nobody); });
+          if (r.r == -1 && r.e == EBADF) stray_ebadf.fetch_add(1);
+          else if (!(r.r == -1 && r.e == ECONNREFUSED)) other.fetch_add(1);
+          if (::close(c) != 0) bad_close.fetch_add(1);
+        }
+      }));
+    }
+    for (auto& h : hs) h.join();
+    CHECK_MESSAGE(stray_ebadf.load() == 0, stray_ebadf.load() << " connects on a freshly created socket failed with EBADF");
+    CHECK_MESSAGE(bad_close.load() == 0, bad_close.load() << " closes of a freshly created socket failed");
+    CHECK(other.load() == 0);
+    CHECK_MESSAGE(open_fds() == open_before, "descriptors leaked: " << open_fds() - open_before);
+  }, {2, 4});
+}
+
+// ================================================================================ cancellation
+
+TEST_CASE("semantics: a cancelled fiber's sleep ends with EINTR and the time left") {
+  on_fiber(2, [] {
+    std::atomic<bool> entering{false};
+    auto h = fiber::spawn([&] {
+      timespec req{30, 0}, rem{0, 0};
+      entering = true;
+      const Res r = call([&] { return ::nanosleep(&req, &rem); });
+      return std::make_pair(r, rem);
+    });
+    REQUIRE(wait_for([&] { return entering.load(); }));
+    fiber::this_fiber::sleep_for(20ms);
+    h.cancel();
+    auto [r, rem] = h.join();
+    CHECK((r.r == -1 && r.e == EINTR));
+    CHECK(rem.tv_sec > 0);  // most of the 30 s were left
+    CHECK(rem.tv_sec <= 30);
+
+    std::atomic<bool> entering2{false};
+    auto h2 = fiber::spawn([&] {
+      entering2 = true;
+      return ::sleep(30);
+    });
+    REQUIRE(wait_for([&] { return entering2.load(); }));
+    fiber::this_fiber::sleep_for(20ms);
+    h2.cancel();
+    const unsigned left = h2.join();
+    CHECK(left > 0);
+    CHECK(left <= 30);
+  });
+}
+
+// ================================================================================ signals
+
+namespace {
+std::atomic<int> g_handled{0};
+std::atomic<long> g_handler_write{0};
+std::atomic<int> g_handler_sleep{0};
+int g_handler_fd = -1;
+
+void on_usr1(int) {
+  // Hooked calls inside a handler: the real ones (a handler must not switch stacks).
+  errno = EIO;  // handlers clobber errno; the interrupted code must not see it
+  g_handler_write = ::write(g_handler_fd, "s", 1);
+  g_handler_sleep = ::usleep(1000);
+  g_handled.fetch_add(1);
+}
+}  // namespace
+
+TEST_CASE("semantics: a signal handler interrupting a fiber makes real calls; errno is kept") {
+  on_fiber(1, [] {
+    Pair p = make_pipe();
+    g_handler_fd = p.b;
+    struct sigaction act{}, old{};
+    act.sa_handler = on_usr1;
+    sigemptyset(&act.sa_mask);
+    REQUIRE(::sigaction(SIGUSR1, &act, &old) == 0);
+    struct sigaction now{};
+    REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+    CHECK((now.sa_handler == on_usr1));  // the program's own handler is reported
+    auto r = no_park_call([] {
+      set_err(ENOENT);
+      ::raise(SIGUSR1);
+      return err();
+    });
+    CHECK(g_handled.load() == 1);
+    CHECK(g_handler_write.load() == 1);
+    CHECK(g_handler_sleep.load() == 0);
+    CHECK_MESSAGE(!r.parked, "a hooked call inside the signal handler parked the fiber");
+    CHECK(r.value == ENOENT);
+    char c;
+    CHECK(::read(p.a, &c, 1) == 1);
+    // signal() too.
+    REQUIRE((::signal(SIGUSR1, on_usr1) != SIG_ERR));
+    auto r2 = no_park_call([] {
+      ::raise(SIGUSR1);
+      return 0;
+    });
+    CHECK(!r2.parked);
+    CHECK(g_handled.load() == 2);
+    CHECK((::signal(SIGUSR1, SIG_DFL) == on_usr1));
+    ::sigaction(SIGUSR1, &old, nullptr);
+  });
+}
+}  // TEST_SUITE("hooked")

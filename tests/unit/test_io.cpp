@@ -1,0 +1,1304 @@
+// fiber::io (fiber/io.hpp) on real descriptors - loopback TCP sockets, pipes, a temporary file -
+// from fibers at 1, 2, 4 and 8 processors and from plain threads: partial transfers and end of
+// stream; 64 MiB each way verified byte for byte; a peer that is gone (EPIPE/ECONNRESET, never
+// SIGPIPE); deadlines that pass, that are already past, and that race the data; cancellation;
+// io::close while other fibers wait, and a closed number reused at once; regular files; bad
+// arguments; pipes and non-blocking sockets (inside a fiber a call waits either way).
+//
+// The engine is chosen per process (FIBER_IO), so CI runs the whole suite twice: as is
+// (io_uring) and with FIBER_IO=epoll. Every test here must pass on both.
+//
+// Deadlines are never checked against a stopwatch: a call that must time out has to return
+// -ETIMEDOUT, and not before its deadline; a call that must succeed gets a generous deadline
+// (patience()) so that a bug fails it instead of hanging the suite.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "io_util.hpp"
+#include "team.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+namespace io = fiber::io;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Waits until a fiber has said it is about to block, then gives it a moment to park (not
+// required for correctness: a cancel or close that comes first must have the same outcome).
+void let_it_park(const std::atomic<int>& started, int count = 1) {
+  REQUIRE(wait_for([&] { return started.load() >= count; }));
+  fiber::this_fiber::sleep_for(20ms);
+}
+
+// SIGPIPE's default action (the process dies) and unblocked in this thread - and so in the
+// threads it starts - for a scope, whatever the harness had set.
+class DefaultSigpipe {
+ public:
+  DefaultSigpipe() {
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    REQUIRE(::sigaction(SIGPIPE, &dfl, &old_action_) == 0);
+    sigset_t pipe_only;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    REQUIRE(::pthread_sigmask(SIG_UNBLOCK, &pipe_only, &old_mask_) == 0);
+  }
+  ~DefaultSigpipe() {
+    ::pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+    ::sigaction(SIGPIPE, &old_action_, nullptr);
+  }
+  DefaultSigpipe(const DefaultSigpipe&) = delete;
+  DefaultSigpipe& operator=(const DefaultSigpipe&) = delete;
+
+ private:
+  struct sigaction old_action_ {};
+  sigset_t old_mask_{};
+};
+
+// The four ways to write to a socket, and the four ways to read one.
+enum class WriteCall { write, send, writev, sendmsg };
+enum class ReadCall { read, recv, readv, recvmsg };
+constexpr WriteCall kWriteCalls[] = {WriteCall::write, WriteCall::send, WriteCall::writev, WriteCall::sendmsg};
+constexpr ReadCall kReadCalls[] = {ReadCall::read, ReadCall::recv, ReadCall::readv, ReadCall::recvmsg};
+
+const char* name_of(WriteCall c) {
+  switch (c) {
+    case WriteCall::write: return "write";
+    case WriteCall::send: return "send";
+    case WriteCall::writev: return "writev";
+    case WriteCall::sendmsg: return "sendmsg";
+  }
+  return "?";
+}
+const char* name_of(ReadCall c) {
+  switch (c) {
+    case ReadCall::read: return "read";
+    case ReadCall::recv: return "recv";
+    case ReadCall::readv: return "readv";
+    case ReadCall::recvmsg: return "recvmsg";
+  }
+  return "?";
+}
+
+// The vectored forms split the buffer in two.
+ssize_t do_write(WriteCall c, int fd, const void* buf, size_t n, io::Deadline dl = {}) {
+  auto* p = static_cast<char*>(const_cast<void*>(buf));
+  iovec iov[2] = {{p, n / 2}, {p + n / 2, n - n / 2}};
+  msghdr m{};
+  m.msg_iov = iov;
+  m.msg_iovlen = 2;
+  switch (c) {
+    case WriteCall::write: return io::write(fd, buf, n, dl);
+    case WriteCall::send: return io::send(fd, buf, n, 0, dl);
+    case WriteCall::writev: return io::writev(fd, iov, 2, dl);
+    case WriteCall::sendmsg: return io::sendmsg(fd, &m, 0, dl);
+  }
+  return -ENOSYS;
+}
+
+ssize_t do_read(ReadCall c, int fd, void* buf, size_t n, io::Deadline dl = {}) {
+  auto* p = static_cast<char*>(buf);
+  iovec iov[2] = {{p, n / 2}, {p + n / 2, n - n / 2}};
+  msghdr m{};
+  m.msg_iov = iov;
+  m.msg_iovlen = 2;
+  switch (c) {
+    case ReadCall::read: return io::read(fd, buf, n, dl);
+    case ReadCall::recv: return io::recv(fd, buf, n, 0, dl);
+    case ReadCall::readv: return io::readv(fd, iov, 2, dl);
+    case ReadCall::recvmsg: return io::recvmsg(fd, &m, 0, dl);
+  }
+  return -ENOSYS;
+}
+
+// Sends `n` bytes of stream `seed` from this thread or fiber into `from` while a new fiber on
+// `s` reads them from `to`: every byte must arrive, in order, and nothing else before it.
+void expect_transfer(fiber::Scheduler& s, int from, int to, uint64_t seed, size_t n = 64 * 1024) {
+  auto reader = fiber::spawn({.scheduler = &s}, [to, seed, n] {
+    std::vector<uint8_t> got(n);
+    const ssize_t r = read_fully(to, got.data(), n, patience());
+    CHECK(r == static_cast<ssize_t>(n));
+    if (r > 0) CHECK(pattern_mismatch(seed, 0, got.data(), static_cast<size_t>(r)) == kAllMatch);
+  });
+  std::vector<uint8_t> data(n);
+  fill_pattern(seed, 0, data.data(), n);
+  CHECK(write_fully(from, data.data(), n, patience()) == static_cast<ssize_t>(n));
+  reader.join();
+}
+
+// Fills the send buffer of `fd` (whose peer does not read) until even a 1-byte write with a
+// short deadline times out (a socket reports room for a write only once a good part of its
+// buffer is free, but a small write may still fit before that). Returns the bytes that went in,
+// all 0x5a.
+size_t fill_until_full(int fd) {
+  std::vector<uint8_t> chunk(64 * 1024, 0x5a);
+  size_t total = 0;
+  size_t n = chunk.size();
+  for (int i = 0; i < 100'000; ++i) {
+    const ssize_t r = io::write(fd, chunk.data(), n, 10ms);
+    if (r == -ETIMEDOUT) {
+      if (n == 1) return total;
+      n /= 2;
+      continue;
+    }
+    REQUIRE(r > 0);
+    total += static_cast<size_t>(r);
+  }
+  FAIL("the send buffer never filled up");
+  return total;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ partial transfers
+
+TEST_CASE("io: a small read buffer gets a message in pieces, and reads return 0 at end of stream") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where writer : kBoth) {
+      for (Where reader : kBoth) {
+        CAPTURE(where_name(writer));
+        CAPTURE(where_name(reader));
+        constexpr size_t kLen = 1000;
+        constexpr size_t kPiece = 7;
+        Team team;
+        SocketPair p = tcp_pair();
+        team.spawn(writer, s, [&] {
+          std::vector<uint8_t> msg(kLen);
+          fill_pattern(1, 0, msg.data(), kLen);
+          // In four writes with pauses, so some reads find less than a piece waiting.
+          for (size_t off = 0; off < kLen; off += kLen / 4) {
+            CHECK(write_fully(p.a.get(), msg.data() + off, kLen / 4) == static_cast<ssize_t>(kLen / 4));
+            fiber::this_fiber::sleep_for(1ms);
+          }
+          REQUIRE(::shutdown(p.a.get(), SHUT_WR) == 0);
+        });
+        team.spawn(reader, s, [&] {
+          uint8_t buf[kPiece];
+          size_t got = 0;
+          size_t pieces = 0;
+          for (;;) {
+            // Every read form, with and without a deadline (a thread with one polls first).
+            const ReadCall call = kReadCalls[pieces % 4];
+            const io::Deadline dl = pieces % 3 == 0 ? io::Deadline(patience()) : io::Deadline();
+            const ssize_t r = do_read(call, p.b.get(), buf, kPiece, dl);
+            REQUIRE_MESSAGE(r >= 0, name_of(call));
+            if (r == 0) break;
+            CHECK(static_cast<size_t>(r) <= kPiece);
+            REQUIRE(pattern_mismatch(1, got, buf, static_cast<size_t>(r)) == kAllMatch);
+            got += static_cast<size_t>(r);
+            ++pieces;
+          }
+          CHECK(got == kLen);
+          CHECK(pieces >= kLen / kPiece);
+          // End of stream stays: every read form keeps returning 0.
+          for (ReadCall c : kReadCalls) {
+            CHECK_MESSAGE(do_read(c, p.b.get(), buf, kPiece) == 0, name_of(c));
+            CHECK_MESSAGE(do_read(c, p.b.get(), buf, kPiece, patience()) == 0, name_of(c));
+          }
+        });
+        team.join();
+      }
+    }
+  });
+}
+
+TEST_CASE("io: writes to a socket with a tiny send buffer come back short; a write loop delivers every byte") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where writer : kBoth) {
+      for (Where reader : kBoth) {
+        CAPTURE(where_name(writer));
+        CAPTURE(where_name(reader));
+        const size_t kLen = 4 * kMiB;
+        SocketPair p = tcp_pair({.sndbuf = 4096, .rcvbuf = 4096});
+        std::vector<uint8_t> data(kLen);
+        fill_pattern(2, 0, data.data(), kLen);
+        std::atomic<bool> may_read{false};
+        Team team;
+        team.spawn(writer, s, [&] {
+          // Nobody reads yet: a write of 1 MiB takes what fits and returns that count rather
+          // than waiting for room for the rest (a plain thread needs a deadline for that: without
+          // one it makes the blocking system call, which sends everything).
+          const io::Deadline dl = writer == Where::thread ? io::Deadline(patience()) : io::Deadline();
+          size_t sent = 0;
+          int short_writes = 0;
+          ssize_t r = io::write(p.a.get(), data.data(), kMiB, dl);
+          REQUIRE(r > 0);
+          CHECK(static_cast<size_t>(r) < kMiB);
+          sent += static_cast<size_t>(r);
+          ++short_writes;
+          // Again, with send: what came free meanwhile, if anything, else ETIMEDOUT.
+          r = io::send(p.a.get(), data.data() + sent, kMiB, 0, 50ms);
+          if (r != -ETIMEDOUT) {
+            REQUIRE(r > 0);
+            CHECK(static_cast<size_t>(r) < kMiB);
+            sent += static_cast<size_t>(r);
+            ++short_writes;
+          }
+          may_read = true;
+          // Now a loop of writes, short ones included, delivers the rest.
+          size_t calls = 0;
+          while (sent < kLen) {
+            const size_t want = std::min(kLen - sent, kMiB);
+            const WriteCall c = kWriteCalls[calls++ % 4];
+            const ssize_t r = do_write(c, p.a.get(), data.data() + sent, want, calls % 2 ? io::Deadline(patience()) : io::Deadline());
+            REQUIRE_MESSAGE(r > 0, name_of(c));
+            if (static_cast<size_t>(r) < want) ++short_writes;
+            sent += static_cast<size_t>(r);
+          }
+          CHECK(sent == kLen);
+          CHECK(short_writes >= 1);
+          REQUIRE(::shutdown(p.a.get(), SHUT_WR) == 0);
+        });
+        team.spawn(reader, s, [&] {
+          REQUIRE(wait_for([&] { return may_read.load(); }, patience()));
+          std::vector<uint8_t> buf(1000);
+          size_t got = 0;
+          for (;;) {
+            const ssize_t r = io::read(p.b.get(), buf.data(), buf.size(), patience());
+            REQUIRE(r >= 0);
+            if (r == 0) break;
+            REQUIRE(pattern_mismatch(2, got, buf.data(), static_cast<size_t>(r)) == kAllMatch);
+            got += static_cast<size_t>(r);
+          }
+          CHECK(got == kLen);
+        });
+        team.join();
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ large transfers
+
+TEST_CASE("io: 64 MiB each way at once, between fibers and between a fiber and a thread, byte for byte") {
+  const size_t len = kTsan ? 4 * kMiB : (kSanitized ? 16 * kMiB : 64 * kMiB);
+  for_each_proc_count([len](fiber::Scheduler& s, int) {
+    for (Where far : kBoth) {
+      CAPTURE(where_name(far));
+      SocketPair p = tcp_pair();
+      // Writes of random sizes, alternating write and writev, then end of stream.
+      auto pump = [len](int fd, uint64_t seed) {
+        std::mt19937 rng(static_cast<unsigned>(seed));
+        std::vector<uint8_t> buf(256 * 1024);
+        size_t off = 0;
+        int i = 0;
+        while (off < len) {
+          const size_t n = std::min<size_t>(len - off, 1 + rng() % buf.size());
+          fill_pattern(seed, off, buf.data(), n);
+          const WriteCall c = (i++ % 2) ? WriteCall::writev : WriteCall::write;
+          size_t done = 0;
+          while (done < n) {
+            const ssize_t r = do_write(c, fd, buf.data() + done, n - done);
+            REQUIRE(r > 0);
+            done += static_cast<size_t>(r);
+          }
+          off += n;
+          fiber::this_fiber::yield();  // share the processor (a socket with room never parks)
+        }
+        REQUIRE(::shutdown(fd, SHUT_WR) == 0);
+      };
+      // Reads of random sizes, alternating read and recv, checking every byte, until the end.
+      auto drain = [len](int fd, uint64_t seed) {
+        std::mt19937 rng(static_cast<unsigned>(seed * 7));
+        std::vector<uint8_t> buf(256 * 1024);
+        size_t off = 0;
+        int i = 0;
+        for (;;) {
+          const size_t n = 1 + rng() % buf.size();
+          const ssize_t r = do_read((i++ % 2) ? ReadCall::recv : ReadCall::read, fd, buf.data(), n);
+          REQUIRE(r >= 0);
+          if (r == 0) break;
+          const size_t bad = pattern_mismatch(seed, off, buf.data(), static_cast<size_t>(r));
+          if (bad != kAllMatch) FAIL("stream " << seed << ": wrong byte at offset " << off + bad);
+          off += static_cast<size_t>(r);
+          fiber::this_fiber::yield();
+        }
+        CHECK(off == len);
+      };
+      Team team;
+      team.spawn(Where::fiber, s, [&] { pump(p.a.get(), 11); });
+      team.spawn(Where::fiber, s, [&] { drain(p.a.get(), 12); });
+      team.spawn(far, s, [&] { pump(p.b.get(), 12); });
+      team.spawn(far, s, [&] { drain(p.b.get(), 11); });
+      team.join();
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ peer gone
+
+TEST_CASE("io: writing to a socket whose peer is gone fails with EPIPE or ECONNRESET and raises no SIGPIPE") {
+  DefaultSigpipe sigpipe_kills;  // a SIGPIPE would end the whole test run here
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      // The peer closed normally: the first write may still go out (the peer's RST answers
+      // it); a later one fails, and so does every one after it.
+      for (WriteCall c : kWriteCalls) {
+        CAPTURE(name_of(c));
+        SocketPair p = tcp_pair();
+        p.b.reset();
+        Team team;
+        team.spawn(w, s, [&] {
+          ssize_t r = 0;
+          for (int i = 0; i < 1000; ++i) {
+            r = do_write(c, p.a.get(), "ping", 4);
+            if (r < 0) break;
+            CHECK(r == 4);
+            fiber::this_fiber::sleep_for(100us);
+          }
+          CHECK((r == -EPIPE || r == -ECONNRESET));
+          for (WriteCall again : kWriteCalls) {
+            r = do_write(again, p.a.get(), "ping", 4);
+            CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), name_of(again));
+            r = do_write(again, p.a.get(), "ping", 4, patience());
+            CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), name_of(again));
+          }
+        });
+        team.join();
+      }
+      // A writer waiting on a full send buffer when the peer goes away (closing with unread
+      // data, so it sends an RST): the waiting write, or the next, fails.
+      {
+        SocketPair p = tcp_pair({.sndbuf = 4096, .rcvbuf = 4096});
+        std::atomic<int> started{0};
+        Team team;
+        team.spawn(w, s, [&] {
+          std::vector<uint8_t> big(kMiB, 0x11);
+          started = 1;
+          ssize_t r;
+          do {
+            r = io::write(p.a.get(), big.data(), big.size());
+          } while (r > 0);
+          CHECK((r == -EPIPE || r == -ECONNRESET));
+        });
+        let_it_park(started);
+        p.b.reset();
+        team.join();
+      }
+    }
+  });
+}
+
+TEST_CASE("io: once the peer resets the connection, reads fail with ECONNRESET") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      for (ReadCall c : kReadCalls) {
+        CAPTURE(where_name(w));
+        CAPTURE(name_of(c));
+        // The RST arrived before the read.
+        {
+          SocketPair p = tcp_pair();
+          close_with_reset(p.b);
+          Team team;
+          team.spawn(w, s, [&] {
+            char buf[64];
+            CHECK(do_read(c, p.a.get(), buf, sizeof buf) == -ECONNRESET);
+            const ssize_t r = io::write(p.a.get(), "x", 1);
+            CHECK((r == -EPIPE || r == -ECONNRESET));
+          });
+          team.join();
+        }
+        // The RST arrives while the read waits (with a deadline on every other call form).
+        {
+          SocketPair p = tcp_pair();
+          std::atomic<int> started{0};
+          Team team;
+          team.spawn(w, s, [&] {
+            char buf[64];
+            started = 1;
+            const io::Deadline dl = (c == ReadCall::recv || c == ReadCall::readv) ? io::Deadline(patience()) : io::Deadline();
+            CHECK(do_read(c, p.a.get(), buf, sizeof buf, dl) == -ECONNRESET);
+          });
+          let_it_park(started);
+          close_with_reset(p.b);
+          team.join();
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ deadlines
+
+TEST_CASE("io: a deadline that passes ends read, recv, accept, connect and write with ETIMEDOUT; the next call works") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      Team team;
+      team.spawn(w, s, [&] {
+        // Returns -ETIMEDOUT, and not before its deadline.
+        auto expect_timeout = [](const char* what, auto&& call) {
+          const auto at = Clock::now() + 20ms;
+          const auto r = call(io::Deadline(at));
+          CHECK_MESSAGE(r == -ETIMEDOUT, what);
+          CHECK_MESSAGE(Clock::now() >= at, what);
+        };
+        SocketPair p = tcp_pair({.sndbuf = 4096, .rcvbuf = 4096});
+        char buf[64];
+        uint64_t seed = 100;
+        // Nothing to read; afterwards the socket still works both ways.
+        for (ReadCall c : kReadCalls) {
+          expect_timeout(name_of(c), [&](io::Deadline dl) { return do_read(c, p.a.get(), buf, sizeof buf, dl); });
+          expect_transfer(s, p.b.get(), p.a.get(), ++seed, 1000);
+          expect_transfer(s, p.a.get(), p.b.get(), ++seed, 1000);
+        }
+        // Nothing to accept; then a connection is accepted.
+        Fd ln = tcp_listener();
+        const sockaddr_in ln_addr = loopback(local_port(ln.get()));
+        expect_timeout("accept", [&](io::Deadline dl) { return io::accept(ln.get(), nullptr, nullptr, 0, dl); });
+        {
+          Fd c = tcp_socket();
+          CHECK(io::connect(c.get(), sa(ln_addr), sizeof ln_addr, patience()) == 0);
+          Fd conn(io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));
+          CHECK(conn.get() >= 0);
+          expect_transfer(s, c.get(), conn.get(), ++seed, 1000);
+        }
+        // A connect that cannot complete (the listener's queue is full): the socket is done for
+        // (io.hpp: close it), but the next connect, on a new socket, works.
+        {
+          FullListener full = full_listener();
+          Fd c = tcp_socket();
+          expect_timeout("connect", [&](io::Deadline dl) { return io::connect(c.get(), sa(full.addr), sizeof full.addr, dl); });
+          Fd c2 = tcp_socket();
+          CHECK(io::connect(c2.get(), sa(ln_addr), sizeof ln_addr, patience()) == 0);
+          Fd conn(io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));
+          CHECK(conn.get() >= 0);
+          expect_transfer(s, conn.get(), c2.get(), ++seed, 1000);
+        }
+        // No room to write (the peer does not read); then the peer reads and writes work.
+        const size_t filled = fill_until_full(p.a.get());
+        CHECK(filled > 0);
+        for (WriteCall c : kWriteCalls) {
+          expect_timeout(name_of(c), [&](io::Deadline dl) { return do_write(c, p.a.get(), buf, sizeof buf, dl); });
+        }
+        std::vector<uint8_t> sink(filled);
+        CHECK(read_fully(p.b.get(), sink.data(), filled, patience()) == static_cast<ssize_t>(filled));
+        CHECK(std::all_of(sink.begin(), sink.end(), [](uint8_t b) { return b == 0x5a; }));  // only the filler
+        expect_transfer(s, p.a.get(), p.b.get(), ++seed);
+      });
+      team.join();
+    }
+  });
+}
+
+TEST_CASE("io: a deadline already past fails at once with ETIMEDOUT and consumes nothing") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      Team team;
+      team.spawn(w, s, [&] {
+        SocketPair p = tcp_pair();
+        Fd ln = tcp_listener();
+        const sockaddr_in ln_addr = loopback(local_port(ln.get()));
+        Fd pending = tcp_socket();
+        connect_now(pending.get(), ln_addr);  // a connection waiting to be accepted
+        CHECK(io::write(p.b.get(), "hello", 5) == 5);  // data waiting to be read
+        REQUIRE(wait_for([&] {
+          char c;
+          return ::recv(p.a.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 1;
+        }));
+        char buf[64];
+        for (const io::Deadline past : {io::Deadline(Clock::now() - 1s), io::Deadline(0ms), io::Deadline(-5ms),
+                                         io::Deadline(Clock::now())}) {
+          CHECK(past.expired());
+          for (ReadCall c : kReadCalls) {
+            CHECK_MESSAGE(do_read(c, p.a.get(), buf, sizeof buf, past) == -ETIMEDOUT, name_of(c));
+          }
+          for (WriteCall c : kWriteCalls) {
+            CHECK_MESSAGE(do_write(c, p.a.get(), "XXXX", 4, past) == -ETIMEDOUT, name_of(c));
+          }
+          CHECK(io::accept(ln.get(), nullptr, nullptr, 0, past) == -ETIMEDOUT);
+          Fd c = tcp_socket();
+          CHECK(io::connect(c.get(), sa(ln_addr), sizeof ln_addr, past) == -ETIMEDOUT);
+          sockaddr_in peer{};
+          socklen_t len = sizeof peer;
+          CHECK(::getpeername(c.get(), reinterpret_cast<sockaddr*>(&peer), &len) == -1);  // never connected
+        }
+        // Everything is still there: the data, the pending connection; nothing was written.
+        CHECK(read_fully(p.a.get(), buf, 5, patience()) == 5);
+        CHECK(std::string(buf, 5) == "hello");
+        CHECK(io::recv(p.a.get(), buf, sizeof buf, MSG_DONTWAIT) == -EAGAIN);
+        CHECK(io::recv(p.b.get(), buf, sizeof buf, MSG_DONTWAIT) == -EAGAIN);
+        Fd conn(io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));
+        REQUIRE(conn.get() >= 0);
+        expect_transfer(s, pending.get(), conn.get(), 7, 1000);
+        CHECK(io::accept(ln.get(), nullptr, nullptr, 0, 10ms) == -ETIMEDOUT);  // there was only one
+      });
+      team.join();
+    }
+  });
+}
+
+TEST_CASE("io: deadlines racing the data: each read gets data or ETIMEDOUT, and no byte is lost or duplicated") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where rw : kBoth) {
+      CAPTURE(where_name(rw));
+      const int rounds = kTsan ? 300 : (kSanitized ? 800 : 2000);
+      SocketPair p = tcp_pair();
+      std::atomic<uint64_t> sent{0};
+      std::atomic<bool> sender_done{false};
+      int timeouts = 0;
+      int with_data = 0;
+      uint64_t received = 0;
+      Team team;
+      team.spawn(Where::fiber, s, [&] {
+        std::mt19937 rng(3);
+        uint8_t chunk[64];
+        uint64_t off = 0;
+        for (int i = 0; i < rounds; ++i) {
+          // The data lands before, about at, or after the reader's deadline.
+          switch (rng() % 4) {
+            case 0: break;
+            case 1: fiber::this_fiber::yield(); break;
+            default: fiber::this_fiber::sleep_for(std::chrono::microseconds(rng() % 300)); break;
+          }
+          const size_t n = 1 + rng() % sizeof chunk;
+          fill_pattern(5, off, chunk, n);
+          REQUIRE(write_fully(p.a.get(), chunk, n) == static_cast<ssize_t>(n));
+          off += n;
+        }
+        sent = off;
+        sender_done = true;
+      });
+      team.spawn(rw, s, [&] {
+        std::mt19937 rng(4);
+        uint8_t buf[256];
+        // One read per round with a short deadline (sometimes zero): data or ETIMEDOUT only.
+        for (int i = 0; i < rounds; ++i) {
+          const auto dl = std::chrono::microseconds(rng() % 250);
+          const ReadCall c = kReadCalls[i % 4];
+          const size_t want = 1 + rng() % sizeof buf;
+          const ssize_t r = do_read(c, p.b.get(), buf, want, dl);
+          if (r == -ETIMEDOUT) {
+            ++timeouts;
+            continue;
+          }
+          REQUIRE_MESSAGE(r > 0, name_of(c));
+          REQUIRE(pattern_mismatch(5, received, buf, static_cast<size_t>(r)) == kAllMatch);
+          received += static_cast<uint64_t>(r);
+          ++with_data;
+        }
+        // Then drain the rest: the total must match exactly.
+        REQUIRE(wait_for([&] { return sender_done.load(); }, patience()));
+        while (received < sent.load()) {
+          const ssize_t r = io::read(p.b.get(), buf, sizeof buf, patience());
+          REQUIRE(r > 0);
+          REQUIRE(pattern_mismatch(5, received, buf, static_cast<size_t>(r)) == kAllMatch);
+          received += static_cast<uint64_t>(r);
+        }
+        // Nothing more: no byte was delivered twice.
+        CHECK(io::recv(p.b.get(), buf, sizeof buf, MSG_DONTWAIT) == -EAGAIN);
+      });
+      team.join();
+      INFO(with_data << " reads got data, " << timeouts << " timed out");
+      CHECK(received == sent.load());
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ cancellation
+
+TEST_CASE("io: cancelling a fiber blocked in read, accept, connect or write ends the call with ECANCELED") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    // A reader: its later calls fail too; no half-withdrawn read is left to steal data.
+    {
+      SocketPair p = tcp_pair();
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        char buf[64];
+        std::vector<ssize_t> r;
+        started = 1;
+        r.push_back(io::read(p.b.get(), buf, sizeof buf));
+        r.push_back(io::read(p.b.get(), buf, sizeof buf));
+        r.push_back(io::recv(p.b.get(), buf, sizeof buf, 0, patience()));
+        r.push_back(io::write(p.b.get(), "x", 1));
+        r.push_back(io::send(p.b.get(), "x", 1, 0));
+        return r;
+      });
+      let_it_park(started);
+      h.cancel();
+      for (ssize_t r : h.join()) CHECK(r == -ECANCELED);
+      char c;
+      CHECK(io::recv(p.a.get(), &c, 1, MSG_DONTWAIT) == -EAGAIN);  // the cancelled writes sent nothing
+      expect_transfer(s, p.a.get(), p.b.get(), 21);
+      expect_transfer(s, p.b.get(), p.a.get(), 22);
+    }
+    // An acceptor: afterwards another fiber accepts the next connection.
+    {
+      Fd ln = tcp_listener();
+      const sockaddr_in addr = loopback(local_port(ln.get()));
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        std::vector<ssize_t> r;
+        started = 1;
+        r.push_back(io::accept(ln.get(), nullptr, nullptr));
+        r.push_back(io::accept(ln.get(), nullptr, nullptr, 0, patience()));
+        Fd c = tcp_socket();
+        r.push_back(io::connect(c.get(), sa(addr), sizeof addr));
+        return r;
+      });
+      let_it_park(started);
+      h.cancel();
+      for (ssize_t r : h.join()) CHECK(r == -ECANCELED);
+      auto acceptor = fiber::spawn({.scheduler = &s}, [&] { return io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()); });
+      Fd client = tcp_socket();
+      connect_now(client.get(), addr);
+      Fd conn(acceptor.join());
+      REQUIRE(conn.get() >= 0);
+      expect_transfer(s, client.get(), conn.get(), 23);
+    }
+    // A connector (to a listener whose queue is full, so the connect stays in progress).
+    {
+      FullListener full = full_listener();
+      Fd ln = tcp_listener();
+      const sockaddr_in addr = loopback(local_port(ln.get()));
+      Fd c = tcp_socket();
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        std::vector<ssize_t> r;
+        started = 1;
+        r.push_back(io::connect(c.get(), sa(full.addr), sizeof full.addr));
+        Fd c2 = tcp_socket();
+        r.push_back(io::connect(c2.get(), sa(addr), sizeof addr, patience()));
+        return r;
+      });
+      let_it_park(started);
+      h.cancel();
+      for (ssize_t r : h.join()) CHECK(r == -ECANCELED);
+      CHECK(io::accept(ln.get(), nullptr, nullptr, 0, 10ms) == -ETIMEDOUT);  // the second never connected
+      // Another fiber connects fine.
+      auto connector = fiber::spawn({.scheduler = &s}, [&] {
+        Fd c3 = tcp_socket();
+        CHECK(io::connect(c3.get(), sa(addr), sizeof addr, patience()) == 0);
+        return c3.release();
+      });
+      Fd c3(connector.join());
+      Fd conn(io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));
+      REQUIRE(conn.get() >= 0);
+      expect_transfer(s, c3.get(), conn.get(), 24);
+    }
+    // A writer waiting for room: what the peer receives is exactly what the writes reported.
+    {
+      SocketPair p = tcp_pair({.sndbuf = 4096, .rcvbuf = 4096});
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        std::vector<uint8_t> chunk(256 * 1024);
+        uint64_t off = 0;
+        started = 1;
+        ssize_t r;
+        for (;;) {
+          fill_pattern(25, off, chunk.data(), chunk.size());
+          r = io::write(p.a.get(), chunk.data(), chunk.size());
+          if (r <= 0) break;
+          off += static_cast<uint64_t>(r);
+        }
+        CHECK(r == -ECANCELED);
+        CHECK(io::write(p.a.get(), chunk.data(), chunk.size()) == -ECANCELED);
+        // close still works in a cancelled fiber.
+        CHECK(io::close(p.a.release()) == 0);
+        return off;
+      });
+      let_it_park(started);
+      h.cancel();
+      const uint64_t reported = h.join();
+      std::vector<uint8_t> buf(64 * 1024);
+      uint64_t got = 0;
+      for (;;) {
+        const ssize_t r = io::read(p.b.get(), buf.data(), buf.size(), patience());
+        REQUIRE(r >= 0);
+        if (r == 0) break;
+        REQUIRE(pattern_mismatch(25, got, buf.data(), static_cast<size_t>(r)) == kAllMatch);
+        got += static_cast<uint64_t>(r);
+      }
+      CHECK(got == reported);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ close
+
+TEST_CASE("io: io::close ends the waits of other fibers on the descriptor with EBADF; closing again gives EBADF") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where closer : kBoth) {
+      CAPTURE(where_name(closer));
+      // A reader and a writer (waiting for room) on one socket.
+      {
+        SocketPair p = tcp_pair({.sndbuf = 4096, .rcvbuf = 4096});
+        const int fd = p.a.release();
+        std::atomic<int> started{0};
+        Team team;
+        team.spawn(Where::fiber, s, [&] {
+          char buf[16];
+          started.fetch_add(1);
+          CHECK(io::recv(fd, buf, sizeof buf, 0) == -EBADF);
+        });
+        team.spawn(Where::fiber, s, [&] {
+          std::vector<uint8_t> big(kMiB);
+          started.fetch_add(1);
+          ssize_t r;
+          do {
+            r = io::write(fd, big.data(), big.size());
+          } while (r > 0);
+          CHECK(r == -EBADF);
+        });
+        let_it_park(started, 2);
+        team.spawn(closer, s, [&] {
+          CHECK(io::close(fd) == 0);
+          CHECK(io::close(fd) == -EBADF);
+        });
+        team.join();
+      }
+      // An acceptor.
+      {
+        Fd ln = tcp_listener();
+        const int fd = ln.release();
+        std::atomic<int> started{0};
+        Team team;
+        team.spawn(Where::fiber, s, [&] {
+          started = 1;
+          CHECK(io::accept(fd, nullptr, nullptr) == -EBADF);
+        });
+        let_it_park(started);
+        team.spawn(closer, s, [&] {
+          CHECK(io::close(fd) == 0);
+          CHECK(io::close(fd) == -EBADF);
+        });
+        team.join();
+      }
+    }
+  });
+}
+
+TEST_CASE("io: fibers woken early by a plain thread (close, cancel) always get home to withdraw their wait") {
+  // A wait ended by a plain thread resumes the fiber wherever there is room, and the fiber then
+  // goes back to the processor that holds its operation (its home) to withdraw it: a home that
+  // is just going to sleep must still notice it. Many rounds of many waiters, to meet that
+  // moment; a lost fiber hangs its round (and the watchdog fails the test).
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        const int rounds = kSanitized ? 100 : 300;
+        constexpr int kReaders = 8;
+        for (int i = 0; i < rounds; ++i) {
+          // Readers, and a writer waiting for room, on one socket.
+          int sv[2];
+          REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+          set_int_option(sv[0], SOL_SOCKET, SO_SNDBUF, 4096);
+          Fd peer(sv[1]);
+          std::atomic<int> started{0};
+          std::vector<fiber::JoinHandle<ssize_t>> waiters;
+          for (int k = 0; k < kReaders; ++k) {
+            waiters.push_back(fiber::spawn({.scheduler = &s}, [&] {
+              char c;
+              started.fetch_add(1);
+              return io::recv(sv[0], &c, 1, 0);
+            }));
+          }
+          waiters.push_back(fiber::spawn({.scheduler = &s}, [&] {
+            std::vector<char> chunk(64 * 1024);
+            started.fetch_add(1);
+            ssize_t r;
+            do {
+              r = io::write(sv[0], chunk.data(), chunk.size());
+            } while (r > 0);
+            return r;
+          }));
+          REQUIRE(wait_for([&] { return started.load() == kReaders + 1; }));
+          fiber::this_fiber::sleep_for(std::chrono::microseconds(500 + i % 5 * 300));
+          const bool close_it = i % 2 == 0;
+          if (close_it) {
+            CHECK(io::close(sv[0]) == 0);
+          } else {
+            for (auto& h : waiters) h.cancel();
+          }
+          for (auto& h : waiters) CHECK(h.join() == (close_it ? -EBADF : -ECANCELED));
+          if (!close_it) CHECK(io::close(sv[0]) == 0);
+        }
+      },
+      {2, 4});
+}
+
+TEST_CASE("io: processors with I/O in flight still wake for fibers that a plain thread spawns") {
+  // Fibers parked in reads keep I/O in flight on every processor, so an idle processor polls
+  // its engine before it sleeps; a plain thread meanwhile spawns and joins short fibers one at
+  // a time, so its wakes keep arriving just as processors go to sleep. A wake lost there leaves
+  // a fiber that never runs (the join hangs, and the watchdog fails the test).
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int n) {
+        int sv[2];
+        REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+        Fd a(sv[0]);
+        Fd b(sv[1]);
+        std::vector<fiber::JoinHandle<ssize_t>> readers;
+        for (int k = 0; k < 4 * n; ++k) {
+          readers.push_back(fiber::spawn({.scheduler = &s}, [&] {
+            char c;
+            return io::recv(a.get(), &c, 1, 0);
+          }));
+        }
+        const int rounds = kSanitized ? 3000 : 20000;
+        int ran = 0;
+        for (int i = 0; i < rounds; ++i) ran += fiber::spawn({.scheduler = &s}, [] { return 1; }).join();
+        CHECK(ran == rounds);
+        for (auto& h : readers) h.cancel();
+        for (auto& h : readers) CHECK(h.join() == -ECANCELED);
+      },
+      {2, 4});
+}
+
+TEST_CASE("io: a descriptor number that io::close just freed works at once for whoever gets it next") {
+  // Fibers on every processor and plain threads open, use and io::close socket pairs in a loop, so
+  // one often gets a number another is closing at that moment. Every call must succeed: none
+  // may find the number still "being closed" (EBADF), and every close must close (no leak).
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int n) {
+        const int rounds = kSanitized ? 300 : 3000;
+        const int before = open_fd_count();
+        std::atomic<int> failures{0};
+        Team team;
+        for (int i = 0; i < 2 * n + 2; ++i) {
+          team.spawn(i % 4 == 3 ? Where::thread : Where::fiber, s, [&] {
+            for (int r = 0; r < rounds; ++r) {
+              int sv[2];
+              REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+              char c = 'x';
+              const ssize_t w = io::write(sv[0], &c, 1);
+              const ssize_t rd = io::read(sv[1], &c, 1);
+              const int c0 = io::close(sv[0]);
+              const int c1 = io::close(sv[1]);
+              if (w != 1 || rd != 1 || c0 != 0 || c1 != 0) {
+                if (failures.fetch_add(1) < 5) {
+                  MESSAGE("write " << w << ", read " << rd << ", close " << c0 << " and " << c1);
+                }
+              }
+            }
+          });
+        }
+        team.join();
+        CHECK(failures.load() == 0);
+        CHECK(open_fd_count() == before);
+      },
+      {2, 4, 8});
+}
+
+// ------------------------------------------------------------------------------ files
+
+TEST_CASE("io: regular files: pwrite/pread at offsets, write/read at the file position, readv/writev, 0 at end of file") {
+  auto body = [] {
+    char path[] = "/tmp/fiber_test_io_XXXXXX";
+    Fd fd(::mkstemp(path));
+    REQUIRE(fd.get() >= 0);
+    ::unlink(path);
+    const size_t len = 300 * 1000;
+    std::vector<uint8_t> data(len);
+    fill_pattern(30, 0, data.data(), len);
+
+    // pwrite in pieces, last piece first; pread back in other pieces. The position stays at 0.
+    const size_t piece = 7000;
+    for (size_t off = (len - 1) / piece * piece;; off -= piece) {
+      const size_t n = std::min(piece, len - off);
+      CHECK(io::pwrite(fd.get(), data.data() + off, n, static_cast<off_t>(off)) == static_cast<ssize_t>(n));
+      if (off == 0) break;
+    }
+    std::vector<uint8_t> back(len);
+    for (size_t off = 0; off < len; off += 4096) {
+      const size_t n = std::min<size_t>(4096, len - off);
+      CHECK(io::pread(fd.get(), back.data() + off, n, static_cast<off_t>(off), patience()) == static_cast<ssize_t>(n));
+    }
+    CHECK(pattern_mismatch(30, 0, back.data(), len) == kAllMatch);
+    CHECK(::lseek(fd.get(), 0, SEEK_CUR) == 0);
+    uint8_t b[16];
+    CHECK(io::pread(fd.get(), b, sizeof b, static_cast<off_t>(len)) == 0);        // at the end
+    CHECK(io::pread(fd.get(), b, sizeof b, static_cast<off_t>(len) + 5000) == 0); // beyond it
+    CHECK(io::pread(fd.get(), b, sizeof b, static_cast<off_t>(len) - 3) == 3);    // up to it
+
+    // write/read at the file position, which they move.
+    REQUIRE(::ftruncate(fd.get(), 0) == 0);
+    size_t written = 0;
+    for (size_t n : {size_t{1}, size_t{4095}, size_t{100'000}, len - 104'096}) {
+      CHECK(io::write(fd.get(), data.data() + written, n) == static_cast<ssize_t>(n));
+      written += n;
+      CHECK(::lseek(fd.get(), 0, SEEK_CUR) == static_cast<off_t>(written));
+    }
+    REQUIRE(::lseek(fd.get(), 0, SEEK_SET) == 0);
+    std::fill(back.begin(), back.end(), 0);
+    CHECK(read_fully(fd.get(), back.data(), len) == static_cast<ssize_t>(len));
+    CHECK(pattern_mismatch(30, 0, back.data(), len) == kAllMatch);
+    CHECK(io::read(fd.get(), b, sizeof b) == 0);  // end of file
+    CHECK(io::read(fd.get(), b, sizeof b, patience()) == 0);
+
+    // writev with three buffers at the position, readv with four of other sizes.
+    REQUIRE(::ftruncate(fd.get(), 0) == 0);
+    REQUIRE(::lseek(fd.get(), 0, SEEK_SET) == 0);
+    iovec out[3] = {{data.data(), 10}, {data.data() + 10, 5000}, {data.data() + 5010, 3}};
+    CHECK(io::writev(fd.get(), out, 3) == 5013);
+    CHECK(io::writev(fd.get(), out, 0) == 0);
+    REQUIRE(::lseek(fd.get(), 0, SEEK_SET) == 0);
+    std::vector<uint8_t> in(6000, 0);
+    iovec vin[4] = {{in.data(), 1}, {in.data() + 1, 2000}, {in.data() + 2001, 3000}, {in.data() + 5001, 999}};
+    CHECK(io::readv(fd.get(), vin, 4) == 5013);
+    CHECK(pattern_mismatch(30, 0, in.data(), 5013) == kAllMatch);
+    CHECK(io::readv(fd.get(), vin, 4, patience()) == 0);  // end of file
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); });
+  SUBCASE("plain thread") { run_on_thread(body); }
+}
+
+// ------------------------------------------------------------------------------ bad input
+
+TEST_CASE("io: bad descriptors give EBADF; bad lengths, counts and offsets give EINVAL; nothing leaks") {
+  auto body = [](fiber::Scheduler* s) {
+    char path[] = "/tmp/fiber_test_io_XXXXXX";
+    Fd file(::mkstemp(path));
+    REQUIRE(file.get() >= 0);
+    ::unlink(path);
+    SocketPair p = tcp_pair();
+    char buf[64] = {};
+    iovec iov[1] = {{buf, sizeof buf}};
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = 1;
+    sockaddr_in addr = loopback(1);
+    const int before = open_fd_count();
+
+    for (int round = 0; round < 3; ++round) {
+      // -1, and a descriptor number that was just closed.
+      int closed = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      REQUIRE(closed >= 0);
+      REQUIRE(::close(closed) == 0);
+      for (int bad : {-1, closed}) {
+        for (const bool timed : {false, true}) {
+          // A fresh deadline per call, far enough away not to pass first.
+          auto dl = [timed] { return timed ? io::Deadline(scaled(1000ms)) : io::Deadline(); };
+          const std::string ctx = "fd " + std::to_string(bad) + (timed ? " with" : " without") + " a deadline";
+          // Each call first, then the check: doctest's message scope is per thread, and a call may
+          // park (the epoll engine hands pread/pwrite to the blocking pool) and resume elsewhere.
+          {
+            const auto r = io::read(bad, buf, sizeof buf, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::write(bad, buf, sizeof buf, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::readv(bad, iov, 1, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::writev(bad, iov, 1, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::pread(bad, buf, sizeof buf, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::pwrite(bad, buf, sizeof buf, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::recv(bad, buf, sizeof buf, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::send(bad, buf, sizeof buf, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::recvmsg(bad, &m, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::sendmsg(bad, &m, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::accept(bad, nullptr, nullptr, 0, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+          {
+            const auto r = io::connect(bad, sa(addr), sizeof addr, dl());
+            CHECK_MESSAGE(r == -EBADF, ctx);
+          }
+        }
+        CHECK(io::close(bad) == -EBADF);
+      }
+      // Lengths that do not fit in ssize_t, negative and oversized counts, negative offsets.
+      for (const size_t huge : {SIZE_MAX, static_cast<size_t>(SSIZE_MAX) + 1}) {
+        CHECK(io::read(p.a.get(), buf, huge) == -EINVAL);
+        CHECK(io::write(p.a.get(), buf, huge) == -EINVAL);
+        CHECK(io::recv(p.a.get(), buf, huge, 0) == -EINVAL);
+        CHECK(io::send(p.a.get(), buf, huge, 0) == -EINVAL);
+        CHECK(io::pread(file.get(), buf, huge, 0) == -EINVAL);
+        CHECK(io::pwrite(file.get(), buf, huge, 0) == -EINVAL);
+      }
+      for (const int count : {-1, INT_MIN, IOV_MAX + 1}) {
+        CHECK(io::readv(p.a.get(), iov, count) == -EINVAL);
+        CHECK(io::writev(p.a.get(), iov, count) == -EINVAL);
+        CHECK(io::readv(file.get(), iov, count, patience()) == -EINVAL);
+        CHECK(io::writev(file.get(), iov, count, patience()) == -EINVAL);
+      }
+      for (const off_t off : {off_t{-1}, std::numeric_limits<off_t>::min()}) {
+        CHECK(io::pread(file.get(), buf, sizeof buf, off) == -EINVAL);
+        CHECK(io::pwrite(file.get(), buf, sizeof buf, off) == -EINVAL);
+      }
+    }
+    CHECK(open_fd_count() == before);
+    // The rejected calls moved nothing: the file is empty, the sockets carry only what follows.
+    struct stat st {};
+    REQUIRE(::fstat(file.get(), &st) == 0);
+    CHECK(st.st_size == 0);
+    CHECK(io::recv(p.a.get(), buf, sizeof buf, MSG_DONTWAIT) == -EAGAIN);
+    CHECK(io::recv(p.b.get(), buf, sizeof buf, MSG_DONTWAIT) == -EAGAIN);
+    if (s != nullptr) expect_transfer(*s, p.a.get(), p.b.get(), 40, 1000);
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body, &s).join(); });
+  SUBCASE("plain thread") { run_on_thread([&] { body(nullptr); }); }
+}
+
+// ------------------------------------------------------------------------------ pipes
+
+namespace {
+
+// 1 MiB through a pipe whose ends are blocking or not, the writer and the reader each a fiber or
+// a thread; then the writer closes and the reader sees end of file. A reader on an empty pipe
+// and a writer on a full one wait (never -EAGAIN), and with a deadline end with -ETIMEDOUT.
+// A plain thread without a deadline makes the system call itself, which on a non-blocking end
+// may fail with EAGAIN (io.hpp promises waiting either way only inside a fiber, or with a
+// deadline): there, threads always pass one.
+void pipe_transfer(fiber::Scheduler& s, bool nonblocking) {
+  for (Where writer : kBoth) {
+    for (Where reader : kBoth) {
+      CAPTURE(where_name(writer));
+      CAPTURE(where_name(reader));
+      int fds[2];
+      REQUIRE(::pipe2(fds, O_CLOEXEC | (nonblocking ? O_NONBLOCK : 0)) == 0);
+      Fd rd(fds[0]);
+      Fd wr(fds[1]);
+      const size_t len = kMiB;
+      std::atomic<int> reader_started{0};
+      Team team;
+      team.spawn(reader, s, [&] {
+        std::vector<uint8_t> buf(4000);
+        uint8_t b;
+        // Empty: a deadline ends the wait with ETIMEDOUT, not EAGAIN.
+        CHECK(io::read(rd.get(), &b, 1, 10ms) == -ETIMEDOUT);
+        reader_started = 1;
+        const bool always_deadline = nonblocking && reader == Where::thread;
+        size_t got = 0;
+        for (int i = 0;; ++i) {
+          const bool timed = always_deadline || i % 2 == 1;
+          const ssize_t r = io::read(rd.get(), buf.data(), buf.size(), timed ? io::Deadline(patience()) : io::Deadline());
+          REQUIRE(r >= 0);
+          if (r == 0) break;
+          REQUIRE(pattern_mismatch(50, got, buf.data(), static_cast<size_t>(r)) == kAllMatch);
+          got += static_cast<size_t>(r);
+        }
+        CHECK(got == len);
+        CHECK(io::read(rd.get(), &b, 1, patience()) == 0);
+      });
+      team.spawn(writer, s, [&] {
+        // Let the reader wait on the empty pipe first (not required for correctness).
+        REQUIRE(wait_for([&] { return reader_started.load() == 1; }, patience()));
+        fiber::this_fiber::sleep_for(5ms);
+        std::vector<uint8_t> data(len);
+        fill_pattern(50, 0, data.data(), len);
+        // Chunks well above the pipe's capacity (64 KiB): each write needs the reader to go on.
+        const bool always_deadline = nonblocking && writer == Where::thread;
+        for (size_t off = 0; off < len; off += 256 * 1024) {
+          const bool timed = always_deadline || off % (512 * 1024) != 0;
+          CHECK(write_fully(wr.get(), data.data() + off, 256 * 1024, timed ? io::Deadline(patience()) : io::Deadline()) ==
+                256 * 1024);
+        }
+        wr.reset();
+      });
+      team.join();
+    }
+  }
+  // A full pipe: a write with a deadline returns what fitted, or ETIMEDOUT once nothing does.
+  for (Where w : kBoth) {
+    CAPTURE(where_name(w));
+    int fds[2];
+    REQUIRE(::pipe2(fds, O_CLOEXEC | (nonblocking ? O_NONBLOCK : 0)) == 0);
+    Fd rd(fds[0]);
+    Fd wr(fds[1]);
+    Team team;
+    size_t in_pipe = 0;
+    team.spawn(w, s, [&] {
+      std::vector<uint8_t> data(kMiB, 0x77);
+      for (int i = 0; i < 1000; ++i) {
+        const ssize_t r = io::write(wr.get(), data.data(), data.size(), 20ms);
+        if (r == -ETIMEDOUT) break;
+        REQUIRE(r > 0);
+        CHECK(static_cast<size_t>(r) < data.size());  // nobody reads: it cannot all fit
+        in_pipe += static_cast<size_t>(r);
+      }
+      CHECK(in_pipe > 0);
+      const auto at = Clock::now() + 20ms;
+      CHECK(io::write(wr.get(), data.data(), 1, at) == -ETIMEDOUT);
+      CHECK(Clock::now() >= at);
+    });
+    team.join();
+    wr.reset();
+    std::vector<uint8_t> buf(64 * 1024);
+    size_t got = 0;
+    for (ssize_t r; (r = io::read(rd.get(), buf.data(), buf.size(), patience())) > 0;) got += static_cast<size_t>(r);
+    CHECK(got == in_pipe);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("io: pipes with non-blocking ends, between fibers and threads: the calls wait, deadlines give ETIMEDOUT") {
+  for_each_proc_count([](fiber::Scheduler& s, int) { pipe_transfer(s, true); });
+}
+
+TEST_CASE("io: pipes with blocking ends, between fibers and threads: the calls wait, deadlines give ETIMEDOUT") {
+  for_each_proc_count([](fiber::Scheduler& s, int) { pipe_transfer(s, false); });
+}
+
+// ------------------------------------------------------------------------------ non-blocking sockets
+
+TEST_CASE("io: non-blocking sockets: inside a fiber, reads, writes, accept and connect wait as on blocking ones") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    SocketPair p = tcp_pair({.sndbuf = 4096, .rcvbuf = 4096, .flags = SOCK_NONBLOCK});
+    Fd ln = tcp_listener(128, SOCK_NONBLOCK);
+    const sockaddr_in addr = loopback(local_port(ln.get()));
+    // Every read form waits for data that comes later (it does not fail with EAGAIN).
+    for (ReadCall c : kReadCalls) {
+      CAPTURE(name_of(c));
+      std::atomic<int> started{0};
+      auto reader = fiber::spawn({.scheduler = &s}, [&] {
+        char buf[8];
+        started = 1;
+        return do_read(c, p.b.get(), buf, sizeof buf);
+      });
+      let_it_park(started);
+      CHECK(::send(p.a.get(), "abcd", 4, MSG_NOSIGNAL) == 4);
+      CHECK(reader.join() == 4);
+    }
+    // accept waits for a connection; connect completes (0, never -EINPROGRESS).
+    std::atomic<int> started{0};
+    auto acceptor = fiber::spawn({.scheduler = &s}, [&] {
+      started = 1;
+      return io::accept(ln.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    });
+    let_it_park(started);
+    auto connector = fiber::spawn({.scheduler = &s}, [&] {
+      Fd c = tcp_socket(SOCK_NONBLOCK);
+      CHECK(io::connect(c.get(), sa(addr), sizeof addr) == 0);
+      return c.release();
+    });
+    Fd c(connector.join());
+    Fd conn(acceptor.join());
+    REQUIRE(conn.get() >= 0);
+    REQUIRE(c.get() >= 0);
+    CHECK((::fcntl(conn.get(), F_GETFL) & O_NONBLOCK) != 0);
+    expect_transfer(s, c.get(), conn.get(), 60);
+    // A writer on a full buffer waits for room: every write form, no deadline, while a fiber
+    // reads slowly; every byte arrives.
+    const size_t len = 2 * kMiB;
+    Team team;
+    team.spawn(Where::fiber, s, [&] {
+      std::vector<uint8_t> data(len);
+      fill_pattern(61, 0, data.data(), len);
+      size_t off = 0;
+      for (int i = 0; off < len; ++i) {
+        const WriteCall wc = kWriteCalls[i % 4];
+        const ssize_t r = do_write(wc, p.a.get(), data.data() + off, std::min<size_t>(len - off, 256 * 1024));
+        REQUIRE_MESSAGE(r > 0, name_of(wc));
+        off += static_cast<size_t>(r);
+      }
+      REQUIRE(::shutdown(p.a.get(), SHUT_WR) == 0);
+    });
+    team.spawn(Where::fiber, s, [&] {
+      std::vector<uint8_t> buf(3000);
+      size_t got = 0;
+      for (int i = 0;; ++i) {
+        const ReadCall rc = kReadCalls[i % 4];
+        const ssize_t r = do_read(rc, p.b.get(), buf.data(), buf.size());
+        REQUIRE_MESSAGE(r >= 0, name_of(rc));
+        if (r == 0) break;
+        REQUIRE(pattern_mismatch(61, got, buf.data(), static_cast<size_t>(r)) == kAllMatch);
+        got += static_cast<size_t>(r);
+      }
+      CHECK(got == len);
+    });
+    team.join();
+  });
+}
+
+// ------------------------------------------------------------------------------ plain threads
+
+TEST_CASE("io: on a plain thread the calls block the thread until the peer acts, with and without deadlines") {
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        run_on_thread([&] {
+          for (const bool with_deadline : {false, true}) {
+            CAPTURE(with_deadline);
+            const io::Deadline dl = with_deadline ? io::Deadline(patience()) : io::Deadline();
+            SocketPair p = tcp_pair();
+            Fd ln = tcp_listener();
+            const sockaddr_in addr = loopback(local_port(ln.get()));
+            // Each step of the fiber happens only after the thread blocked for it; the thread
+            // checks it saw the step's effect only after the step was taken.
+            std::atomic<int> step{0};
+            auto peer = fiber::spawn({.scheduler = &s}, [&] {
+              REQUIRE(wait_for([&] { return step.load() == 1; }, patience()));
+              fiber::this_fiber::sleep_for(10ms);
+              step = 2;
+              CHECK(io::write(p.b.get(), "abc", 3) == 3);
+              REQUIRE(wait_for([&] { return step.load() == 3; }, patience()));
+              fiber::this_fiber::sleep_for(10ms);
+              step = 4;
+              Fd c = tcp_socket();
+              CHECK(io::connect(c.get(), sa(addr), sizeof addr, patience()) == 0);
+              char buf[8];
+              CHECK(read_fully(c.get(), buf, 2, patience()) == 2);
+              CHECK(std::string(buf, 2) == "ok");
+            });
+            char buf[8];
+            step = 1;
+            CHECK(io::read(p.a.get(), buf, sizeof buf, dl) == 3);
+            CHECK(step.load() == 2);
+            CHECK(std::string(buf, 3) == "abc");
+            step = 3;
+            Fd conn(io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, dl));
+            CHECK(step.load() == 4);
+            REQUIRE(conn.get() >= 0);
+            CHECK(io::write(conn.get(), "ok", 2, dl) == 2);
+            peer.join();
+            // A short deadline with nothing coming: ETIMEDOUT, not before the deadline.
+            const auto at = Clock::now() + 20ms;
+            CHECK(io::recv(p.a.get(), buf, sizeof buf, 0, at) == -ETIMEDOUT);
+            CHECK(Clock::now() >= at);
+          }
+        });
+      },
+      {1, 4});
+}

@@ -1,0 +1,609 @@
+// fiber::net (fiber/net.hpp) on loopback: Listener on port 0; Stream::write_all / read_exact
+// (fewer bytes when the peer closes first) and shutdown(SHUT_WR); connections refused and
+// timing out; addresses that do not parse; close and cancel while accept or read wait; an accept
+// loop that survives running out of descriptors (EMFILE, in a child process); 1000 concurrent
+// connections against an echo server, every byte checked. Failing calls leak no descriptor.
+//
+// Like test_io.cpp, these run on the io_uring engine and, with FIBER_IO=epoll, on the epoll one.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <random>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "io_util.hpp"
+#include "team.hpp"
+#include "test_util.hpp"
+
+extern char** environ;  // NOLINT: POSIX
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+namespace io = fiber::io;
+namespace net = fiber::net;
+
+void let_it_park(const std::atomic<int>& started) {
+  REQUIRE(wait_for([&] { return started.load() >= 1; }));
+  fiber::this_fiber::sleep_for(20ms);
+}
+
+std::string loopback_str(uint16_t port) { return "127.0.0.1:" + std::to_string(port); }
+
+// A connected pair of Streams: the client dialled the listener's port, the server accepted.
+struct StreamPair {
+  net::Stream client;
+  net::Stream server;
+};
+
+StreamPair stream_pair(net::Listener& ln) {
+  auto c = net::Stream::dial(loopback_str(ln.port()), patience());
+  REQUIRE_MESSAGE(c.ok(), c.message());
+  auto a = ln.accept(patience());
+  REQUIRE_MESSAGE(a.ok(), a.message());
+  return {std::move(*c), std::move(*a)};
+}
+
+// The echo_server sample's connection fiber: reads up to 4096 bytes, writes them back, until
+// the peer closes.
+void serve_echo(net::Stream conn) {
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = conn.read(buf, sizeof buf, patience());
+    if (n <= 0) return;
+    if (conn.write_all(buf, static_cast<size_t>(n), patience()) < 0) return;
+  }
+}
+
+// The echo_server sample's accept loop for `count` connections, with its back-off when out of
+// descriptors; counts the back-offs. Joins the connection fibers before it returns.
+void accept_loop(net::Listener& ln, int count, std::atomic<int>& backoffs) {
+  std::vector<fiber::JoinHandle<void>> conns;
+  while (static_cast<int>(conns.size()) < count) {
+    auto conn = ln.accept(patience());
+    if (conn) {
+      conns.push_back(fiber::spawn([c = std::move(*conn)]() mutable { serve_echo(std::move(c)); }));
+      continue;
+    }
+    const int e = conn.error();
+    if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+      backoffs.fetch_add(1);
+      fiber::this_fiber::sleep_for(10ms);
+      continue;
+    }
+    if (e == ECONNABORTED || e == EINTR) continue;
+    FAIL("accept: " << conn.message());
+  }
+  join_all(conns);
+}
+
+// Sends `len` bytes of stream `seed` through an echo connection and checks what comes back.
+void echo_roundtrip(net::Stream& s, uint64_t seed, size_t len) {
+  std::vector<uint8_t> out(len);
+  std::vector<uint8_t> back(len);
+  fill_pattern(seed, 0, out.data(), len);
+  REQUIRE(s.write_all(out.data(), len, patience()) == static_cast<ssize_t>(len));
+  REQUIRE(s.read_exact(back.data(), len, patience()) == static_cast<ssize_t>(len));
+  REQUIRE(pattern_mismatch(seed, 0, back.data(), len) == kAllMatch);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ listen, dial
+
+TEST_CASE("net: Listener on port 0 gets a free port, port() names it, and dial reaches it") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::spawn({.scheduler = &s}, [] {
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE_MESSAGE(ln.ok(), ln.message());
+      CHECK(ln.error() == 0);
+      const uint16_t port = ln->port();
+      CHECK(port != 0);
+      CHECK(port == local_port(ln->fd()));
+      for (const char* host : {"127.0.0.1", "localhost"}) {
+        auto c = net::Stream::dial(std::string(host) + ":" + std::to_string(port), patience());
+        REQUIRE_MESSAGE(c.ok(), host << ": " << c.message());
+        auto a = ln->accept(patience());
+        REQUIRE_MESSAGE(a.ok(), a.message());
+        auto peer = c->peer_address();
+        REQUIRE(peer.ok());
+        CHECK(peer->port() == port);
+        CHECK(peer->to_string() == loopback_str(port));
+        auto back = a->peer_address();
+        REQUIRE(back.ok());
+        CHECK(back->port() == local_port(c->fd()));
+        CHECK(c->write_all("hi", 2) == 2);
+        char buf[2];
+        CHECK(a->read_exact(buf, 2, patience()) == 2);
+        CHECK(std::string(buf, 2) == "hi");
+      }
+      // The port is taken while the listener lives: a second listen on it fails, naming it.
+      auto again = net::Listener::listen(loopback_str(port));
+      CHECK_FALSE(again.ok());
+      CHECK(again.error() == EADDRINUSE);
+      CHECK(contains(again.message(), loopback_str(port)));
+      // Moving keeps the descriptor and the port; the moved-from listener is empty.
+      net::Listener moved = std::move(*ln);
+      CHECK(moved.port() == port);
+      CHECK(moved.fd() >= 0);
+      CHECK(ln->fd() == -1);
+      CHECK(moved.close() == 0);
+      CHECK(moved.fd() == -1);
+      CHECK(moved.close() == 0);  // already closed: nothing to do
+    }).join();
+  });
+}
+
+// ------------------------------------------------------------------------------ streams
+
+TEST_CASE("net: write_all and read_exact move every byte; read_exact returns fewer when the peer closes first") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where writer : kBoth) {
+      for (Where reader : kBoth) {
+        CAPTURE(where_name(writer));
+        CAPTURE(where_name(reader));
+        auto ln = net::Listener::listen("127.0.0.1:0");
+        REQUIRE(ln.ok());
+        StreamPair p = stream_pair(*ln);
+        const size_t len = 8 * 1024 * 1024;
+        Team team;
+        team.spawn(writer, s, [&] {
+          std::mt19937 rng(1);
+          std::vector<uint8_t> buf(1 << 20);
+          size_t off = 0;
+          while (off < len) {
+            const size_t n = std::min<size_t>(len - off, 1 + rng() % buf.size());
+            fill_pattern(70, off, buf.data(), n);
+            REQUIRE(p.client.write_all(buf.data(), n) == static_cast<ssize_t>(n));
+            off += n;
+          }
+          // Then 100 bytes more, and the end: the reader asks for 1000.
+          fill_pattern(70, off, buf.data(), 100);
+          REQUIRE(p.client.write_all(buf.data(), 100) == 100);
+          CHECK(p.client.close() == 0);
+          CHECK_FALSE(p.client.is_open());
+        });
+        team.spawn(reader, s, [&] {
+          std::mt19937 rng(2);
+          std::vector<uint8_t> buf(1 << 20);
+          size_t off = 0;
+          while (off < len) {
+            const size_t n = std::min<size_t>(len - off, 1 + rng() % buf.size());
+            REQUIRE(p.server.read_exact(buf.data(), n, off % 2 ? io::Deadline(patience()) : io::Deadline()) ==
+                    static_cast<ssize_t>(n));
+            REQUIRE(pattern_mismatch(70, off, buf.data(), n) == kAllMatch);
+            off += n;
+          }
+          CHECK(p.server.read_exact(buf.data(), 1000, patience()) == 100);  // the peer closed first
+          CHECK(pattern_mismatch(70, off, buf.data(), 100) == kAllMatch);
+          CHECK(p.server.read_exact(buf.data(), 1000) == 0);
+          CHECK(p.server.read(buf.data(), 1000) == 0);
+          // The peer is gone: writes fail (no SIGPIPE).
+          ssize_t r = 0;
+          for (int i = 0; i < 1000 && r >= 0; ++i) r = p.server.write_all(buf.data(), 1000);
+          CHECK((r == -EPIPE || r == -ECONNRESET));
+        });
+        team.join();
+      }
+    }
+  });
+}
+
+TEST_CASE("net: read_exact with a deadline gives ETIMEDOUT when the bytes do not all come") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      StreamPair p = stream_pair(*ln);
+      Team team;
+      team.spawn(w, s, [&] {
+        CHECK(p.client.write_all("12345", 5) == 5);
+        char buf[10];
+        const auto at = Clock::now() + 30ms;
+        CHECK(p.server.read_exact(buf, 10, at) == -ETIMEDOUT);
+        CHECK(Clock::now() >= at);
+        // The stream carries on: what comes next is read.
+        CHECK(p.client.write_all("abc", 3) == 3);
+        CHECK(p.server.read_exact(buf, 3, patience()) == 3);
+        CHECK(std::string(buf, 3) == "abc");
+      });
+      team.join();
+    }
+  });
+}
+
+TEST_CASE("net: shutdown(SHUT_WR) lets the peer see end of stream while it can still send back") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      StreamPair p = stream_pair(*ln);
+      const size_t request = 300 * 1000;
+      const size_t response = 500 * 1000;
+      Team team;
+      // The server reads the request to its end, then answers.
+      team.spawn(w, s, [&] {
+        std::vector<uint8_t> buf(request + 1);
+        CHECK(p.server.read_exact(buf.data(), buf.size(), patience()) == static_cast<ssize_t>(request));
+        CHECK(pattern_mismatch(80, 0, buf.data(), request) == kAllMatch);
+        std::vector<uint8_t> out(response);
+        fill_pattern(81, 0, out.data(), response);
+        CHECK(p.server.write_all(out.data(), response, patience()) == static_cast<ssize_t>(response));
+        CHECK(p.server.close() == 0);
+      });
+      team.spawn(Where::fiber, s, [&] {
+        std::vector<uint8_t> out(request);
+        fill_pattern(80, 0, out.data(), request);
+        CHECK(p.client.write_all(out.data(), request) == static_cast<ssize_t>(request));
+        CHECK(p.client.shutdown(SHUT_WR) == 0);
+        // No more writing...
+        const ssize_t r = p.client.write("x", 1);
+        CHECK(r == -EPIPE);
+        // ...but reading goes on.
+        std::vector<uint8_t> in(response + 1);
+        CHECK(p.client.read_exact(in.data(), in.size(), patience()) == static_cast<ssize_t>(response));
+        CHECK(pattern_mismatch(81, 0, in.data(), response) == kAllMatch);
+      });
+      team.join();
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ dial errors
+
+TEST_CASE("net: connecting to a port nobody listens on is refused") {
+  ClosedPort closed = closed_port();
+  const std::string where = loopback_str(closed.port);
+  const sockaddr_in addr = loopback(closed.port);
+  auto body = [&] {
+    for (const bool timed : {false, true}) {
+      auto dl = [timed] { return timed ? io::Deadline(patience()) : io::Deadline(); };
+      const char* ctx = timed ? "with a deadline" : "without a deadline";
+      Fd c = tcp_socket();
+      const int rc = io::connect(c.get(), sa(addr), sizeof addr, dl());  // may park: not inside the check
+      CHECK_MESSAGE(rc == -ECONNREFUSED, ctx);
+      auto r = net::Stream::dial(where, dl());
+      CHECK_FALSE(r.ok());
+      CHECK_FALSE(static_cast<bool>(r));
+      CHECK_MESSAGE(r.error() == ECONNREFUSED, ctx);
+      CHECK_MESSAGE(contains(r.message(), where), r.message());
+      try {
+        (void)r.value();
+        FAIL_CHECK("value() of a failed dial did not throw");
+      } catch (const std::system_error& e) {
+        CHECK(e.code().value() == ECONNREFUSED);
+        CHECK(contains(e.what(), where));
+      }
+    }
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); });
+  SUBCASE("plain thread") { run_on_thread(body); }
+}
+
+TEST_CASE("net: dial and accept with a deadline that passes give ETIMEDOUT") {
+  auto body = [] {
+    FullListener full = full_listener();  // connects to it stay in progress
+    const std::string where = loopback_str(ntohs(full.addr.sin_port));
+    const auto at = Clock::now() + 30ms;
+    auto r = net::Stream::dial(where, at);
+    CHECK_FALSE(r.ok());
+    CHECK(r.error() == ETIMEDOUT);
+    CHECK_MESSAGE(contains(r.message(), where), r.message());
+    CHECK(Clock::now() >= at);
+
+    auto ln = net::Listener::listen("127.0.0.1:0");
+    REQUIRE(ln.ok());
+    const auto at2 = Clock::now() + 30ms;
+    auto a = ln->accept(at2);
+    CHECK_FALSE(a.ok());
+    CHECK(a.error() == ETIMEDOUT);
+    CHECK(Clock::now() >= at2);
+    // The listener still works.
+    StreamPair p = stream_pair(*ln);
+    CHECK(p.client.write_all("ok", 2) == 2);
+    char buf[2];
+    CHECK(p.server.read_exact(buf, 2, patience()) == 2);
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); });
+  SUBCASE("plain thread") { run_on_thread(body); }
+}
+
+// ------------------------------------------------------------------------------ bad input
+
+TEST_CASE("net: addresses that do not parse and backlog 0 give EINVAL naming the input; failures leak nothing") {
+  auto body = [] {
+    const int before = open_fd_count();
+    for (int round = 0; round < 3; ++round) {
+      for (const std::string bad : {"nohost", "1.2.3.4:99999", "1.2.3.4:-1", "[::1", "", "1.2.3.4:", ":", "::1:80",
+                                    "[::1]80", "1.2.3.4:80x", "1.2.3.4:123456", "[::1]:", "1.2.3.4: 80"}) {
+        const std::string quoted = "'" + bad + "'";
+        auto r = net::resolve(bad);
+        CHECK_FALSE_MESSAGE(r.ok(), quoted);
+        CHECK_MESSAGE(r.error() == EINVAL, quoted);
+        CHECK_MESSAGE(contains(r.message(), quoted), r.message());
+        auto d = net::Stream::dial(bad, patience());
+        CHECK_MESSAGE(d.error() == EINVAL, quoted);
+        CHECK_MESSAGE(contains(d.message(), quoted), d.message());
+        auto l = net::Listener::listen(bad);
+        CHECK_MESSAGE(l.error() == EINVAL, quoted);
+        CHECK_MESSAGE(contains(l.message(), quoted), l.message());
+      }
+      for (const int backlog : {0, -1}) {
+        auto l = net::Listener::listen("127.0.0.1:0", backlog);
+        CHECK_FALSE_MESSAGE(l.ok(), "backlog " << backlog);
+        CHECK_MESSAGE(l.error() == EINVAL, "backlog " << backlog);
+        CHECK_MESSAGE(contains(l.message(), "backlog"), l.message());
+      }
+      // Failures after the socket exists: a refused dial, a port in use, an address not ours.
+      ClosedPort closed = closed_port();
+      CHECK(net::Stream::dial(loopback_str(closed.port), patience()).error() == ECONNREFUSED);
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      CHECK(net::Listener::listen(loopback_str(ln->port())).error() == EADDRINUSE);
+      CHECK(net::Listener::listen("192.0.2.1:0").error() == EADDRNOTAVAIL);  // TEST-NET-1
+    }
+    CHECK(open_fd_count() == before);
+    // Addresses that do parse.
+    auto a = net::resolve("127.0.0.1:80");
+    REQUIRE(a.ok());
+    CHECK(a->port() == 80);
+    CHECK(a->to_string() == "127.0.0.1:80");
+    auto b = net::resolve("[::1]:8080");
+    REQUIRE(b.ok());
+    CHECK(b->to_string() == "[::1]:8080");
+    auto c = net::resolve("localhost:65535");
+    REQUIRE(c.ok());
+    CHECK(c->to_string() == "127.0.0.1:65535");
+    for (const char* any : {":0", "*:7"}) {
+      auto r = net::resolve(any);
+      REQUIRE(r.ok());
+      CHECK(contains(r->to_string(), "0.0.0.0:"));
+    }
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); }, {1, 4});
+  SUBCASE("plain thread") { run_on_thread(body); }
+}
+
+// ------------------------------------------------------------------------------ close, cancel
+
+TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBADF; cancel with ECANCELED") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    // Listener::close while another fiber accepts.
+    {
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        started = 1;
+        auto a = ln->accept();
+        return a.error();
+      });
+      let_it_park(started);
+      CHECK(ln->close() == 0);
+      CHECK(h.join() == EBADF);
+    }
+    // Stream::close while another fiber reads.
+    {
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      StreamPair p = stream_pair(*ln);
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        char buf[16];
+        started = 1;
+        return p.server.read(buf, sizeof buf);
+      });
+      let_it_park(started);
+      CHECK(p.server.close() == 0);
+      CHECK(h.join() == -EBADF);
+      char c;
+      CHECK(p.client.read(&c, 1, patience()) == 0);  // the peer sees the end
+    }
+    // A cancelled fiber's accept and read fail with ECANCELED; the listener and the stream
+    // still serve another fiber.
+    {
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      StreamPair p = stream_pair(*ln);
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        char buf[16];
+        started = 1;
+        const ssize_t r = p.server.read(buf, sizeof buf);
+        auto a = ln->accept(patience());
+        auto d = net::Stream::dial(loopback_str(ln->port()));
+        return std::vector<ssize_t>{r, a.error(), d.error(), p.server.write_all("x", 1), p.server.read_exact(buf, 1)};
+      });
+      let_it_park(started);
+      h.cancel();
+      const std::vector<ssize_t> got = h.join();
+      CHECK(got == std::vector<ssize_t>{-ECANCELED, ECANCELED, ECANCELED, -ECANCELED, -ECANCELED});
+      auto other = fiber::spawn({.scheduler = &s}, [&] {
+        StreamPair q = stream_pair(*ln);
+        CHECK(q.client.write_all("next", 4) == 4);
+        char buf[4];
+        CHECK(q.server.read_exact(buf, 4, patience()) == 4);
+        CHECK(p.client.write_all("more", 4) == 4);
+        CHECK(p.server.read_exact(buf, 4, patience()) == 4);
+        CHECK(std::string(buf, 4) == "more");
+      });
+      other.join();
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ EMFILE
+
+namespace {
+constexpr const char* kEmfileChild = "net: (child process) an accept loop out of descriptors";
+constexpr const char* kEmfileMarkEnv = "FIBER_TEST_EMFILE_MARK";
+}  // namespace
+
+// Runs only in the child process the next test starts (skipped otherwise): it lowers
+// RLIMIT_NOFILE and uses up every descriptor, which must not happen to the test process itself.
+TEST_CASE("net: (child process) an accept loop out of descriptors" * doctest::skip()) {
+  for_each_proc_count([](fiber::Scheduler& s, int n) {
+    auto ln = net::Listener::listen("127.0.0.1:0");
+    REQUIRE(ln.ok());
+    const sockaddr_in addr = loopback(ln->port());
+    std::atomic<int> backoffs{0};
+    std::atomic<int> echoed{0};
+    // The accept loop, and a client fiber per socket in `socks` (made beforehand: connecting
+    // one needs no new descriptor); `meanwhile` runs while they do.
+    auto run = [&](std::vector<Fd>& socks, const std::function<void()>& meanwhile) {
+      auto acceptor = fiber::spawn({.scheduler = &s}, [&] { accept_loop(*ln, static_cast<int>(socks.size()), backoffs); });
+      std::vector<fiber::JoinHandle<void>> clients;
+      for (size_t i = 0; i < socks.size(); ++i) {
+        clients.push_back(fiber::spawn({.scheduler = &s}, [&, i] {
+          REQUIRE(io::connect(socks[i].get(), sa(addr), sizeof addr, patience()) == 0);  // queued in the kernel
+          net::Stream conn(socks[i].release());
+          echo_roundtrip(conn, 90 + i, 10'000);
+          echoed.fetch_add(1);
+        }));
+      }
+      meanwhile();
+      clients.push_back(std::move(acceptor));  // joined last, failures or not
+      join_all(clients);
+    };
+    // Once with descriptors to spare, so that nothing runs for the first time with none left
+    // (UBSan's first check of a type opens a pipe; it reports a false error when it cannot).
+    std::vector<Fd> socks(1);
+    socks[0] = tcp_socket();
+    run(socks, [] {});
+    REQUIRE(echoed.load() == 1);
+    echoed = 0;
+    backoffs = 0;
+
+    constexpr int kClients = 6;
+    socks.clear();
+    for (int i = 0; i < kClients; ++i) socks.push_back(tcp_socket());
+    std::vector<int> filler;
+    {
+      // Room for a few more descriptors only; then take them all.
+      FdLimit limit(static_cast<rlim_t>(highest_open_fd() + 1 + 16));
+      for (;;) {
+        const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+          REQUIRE(errno == EMFILE);
+          break;
+        }
+        filler.push_back(fd);
+      }
+      REQUIRE(filler.size() >= 4);
+      run(socks, [&] {
+        // Every connection waits in the queue while accept fails: the loop backs off, again
+        // and again.
+        REQUIRE(wait_for([&] { return backoffs.load() >= 3; }, patience()));
+        CHECK(echoed.load() == 0);
+        // Two descriptors free: connections are accepted (and, as clients finish and close,
+        // the rest too).
+        for (int i = 0; i < 2; ++i) {
+          ::close(filler.back());
+          filler.pop_back();
+        }
+      });
+      CHECK(echoed.load() == kClients);
+      for (int fd : filler) ::close(fd);
+    }
+    // Report to the parent which runs finished.
+    if (const char* mark = std::getenv(kEmfileMarkEnv)) {
+      std::ofstream(mark, std::ios::app) << "processors=" << n << " backoffs=" << backoffs.load() << "\n";
+    }
+  });
+}
+
+TEST_CASE("net: an accept loop backs off on EMFILE and accepts again once descriptors are free") {
+  // In a child process (this test binary, running only the test above), so that the lowered
+  // descriptor limit and the exhausted descriptor table never touch this process.
+  char mark[] = "/tmp/fiber_test_emfile_XXXXXX";
+  Fd mark_fd(::mkstemp(mark));
+  REQUIRE(mark_fd.get() >= 0);
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  env.push_back(std::string(kEmfileMarkEnv) + "=" + mark);
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string a0 = "fiber_tests", a1 = std::string("--test-case=") + kEmfileChild, a2 = "--no-skip=true",
+              a3 = "--no-version=true", a4 = "--minimal=true";
+  char* argv[] = {a0.data(), a1.data(), a2.data(), a3.data(), a4.data(), nullptr};
+  pid_t pid = -1;
+  REQUIRE(::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data()) == 0);
+  int status = 0;
+  const auto give_up = Clock::now() + scaled(180'000ms);
+  pid_t done = 0;
+  while ((done = ::waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < give_up) std::this_thread::sleep_for(20ms);
+  if (done == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    FAIL_CHECK("the child process did not finish in time");
+  }
+  CHECK_MESSAGE(WIFEXITED(status), "the child died of signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(mark);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ::unlink(mark);
+  INFO("the child's runs: " << all);
+  for (int n : kProcCounts) CHECK(contains(all, "processors=" + std::to_string(n) + " "));
+}
+
+// ------------------------------------------------------------------------------ many connections
+
+TEST_CASE("net: 1000 concurrent connections to an echo server, every byte checked") {
+  int clients = kTsan ? 250 : 1000;
+  // Two descriptors a connection, and some to spare.
+  const rlim_t need = static_cast<rlim_t>(2 * clients + 256);
+  FdLimit limit(std::max(need, FdLimit::soft()));
+  if (FdLimit::soft() < need) {
+    clients = static_cast<int>((FdLimit::soft() - 256) / 2);
+    MESSAGE("RLIMIT_NOFILE allows only " << clients << " connections");
+  }
+  REQUIRE(clients > 0);
+  for_each_proc_count([clients](fiber::Scheduler& s, int) {
+    auto ln = net::Listener::listen("127.0.0.1:0");
+    REQUIRE(ln.ok());
+    const std::string where = loopback_str(ln->port());
+    std::atomic<int> backoffs{0};
+    std::atomic<int> done{0};
+    fiber::Latch all_connected(clients);
+    auto acceptor = fiber::spawn({.scheduler = &s}, [&] { accept_loop(*ln, clients, backoffs); });
+    std::vector<fiber::JoinHandle<void>> hs;
+    hs.reserve(static_cast<size_t>(clients));
+    for (int i = 0; i < clients; ++i) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&, i] {
+        auto c = net::Stream::dial(where, patience());
+        REQUIRE_MESSAGE(c.ok(), c.message());
+        // All of them connected at once before any talks.
+        all_connected.count_down();
+        REQUIRE(all_connected.wait_for(patience()));
+        echo_roundtrip(*c, 1000 + static_cast<uint64_t>(i), 1 + (static_cast<size_t>(i) * 7919) % 20'000);
+        echo_roundtrip(*c, 5000 + static_cast<uint64_t>(i), 100);
+        done.fetch_add(1);
+      }));
+    }
+    hs.push_back(std::move(acceptor));  // joined last, failures or not
+    join_all(hs);
+    CHECK(done.load() == clients);
+    CHECK(backoffs.load() == 0);
+  });
+}
