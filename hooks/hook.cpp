@@ -649,7 +649,11 @@ int ppoll(struct pollfd* fds, nfds_t n, const struct timespec* ts, const sigset_
 
 int select(int nfds, fd_set* r, fd_set* w, fd_set* e, struct timeval* tv) {
   auto* real = lazy(real_select, "select");
-  if (!may_park() || (tv && tv->tv_sec == 0 && tv->tv_usec == 0)) return real(nfds, r, w, e, tv);
+  // Invalid arguments are the kernel's to report (EINVAL), as is a zero timeout.
+  if (!may_park() || nfds < 0 || nfds > FD_SETSIZE || (tv && tv->tv_sec == 0 && tv->tv_usec == 0) ||
+      (tv && (tv->tv_sec < 0 || tv->tv_usec < 0 || tv->tv_usec >= 1'000'000))) {
+    return real(nfds, r, w, e, tv);
+  }
   // As poll: the sets become pollfds, the result goes back into the sets.
   std::vector<pollfd> fds;
   try {
