@@ -86,8 +86,15 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
       {"close(-1)", [&] { return long(::close(-1)); }, [&] { return ::syscall(SYS_close, -1); }},
   };
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The sanitizers' own interceptors check pointers before the kernel does: skip the null ones.
+  constexpr bool kSkipNull = true;
+#else
+  constexpr bool kSkipNull = false;
+#endif
   fiber::Scheduler s({.processors = 2, .name = "bad"});
   for (const Case& c : cases) {
+    if (kSkipNull && (c.name.find("null") != std::string::npos)) continue;
     const Res want = hooked(c.raw_call);
     const Res in_fiber = fiber::spawn({.scheduler = &s}, [&] { return hooked(c.hooked_call); }).join();
     Res on_thread{};
