@@ -512,7 +512,8 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
         // Not listening: the kernel fails at once (EINVAL); readiness would never come.
         int on = 1;
         socklen_t len = sizeof on;
-        if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) == 0 && on == 0) return -EINVAL;
+        if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) != 0) return -errno;
+        if (on == 0) return -EINVAL;
       }
       return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, blocking,
                                                  [&] { return raw::accept4(fd, addr, addrlen, flags); }));

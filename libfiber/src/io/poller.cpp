@@ -184,6 +184,8 @@ int EpollPoller::rearm(int fd, FdWaiters& fw) noexcept {
 }
 
 int EpollPoller::arm(IoOp* op) noexcept {
+  // A bad number must not grow the table (it is indexed by descriptor).
+  if (op->fd < 0 || raw::fcntl(op->fd, F_GETFD) < 0) return -EBADF;
   const auto fd = static_cast<std::size_t>(op->fd);
   if (fd >= fds_.size()) fds_.resize(std::max<std::size_t>(fd + 1, fds_.size() * 2));
   FdWaiters& fw = fds_[fd];
