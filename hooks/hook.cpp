@@ -593,8 +593,9 @@ int fiber_poll(struct pollfd* fds, nfds_t n, int64_t timeout_ns) noexcept {
     if (fds[0].fd < 0) {  // ignored entry: nothing can happen but the timeout
       return fiber_poll(nullptr, 0, timeout_ns);
     }
-    const fiber::io::Deadline d = timeout_ns < 0 ? fiber::io::Deadline() : fiber::io::Deadline(std::chrono::nanoseconds(timeout_ns));
-    const int r = fiber::io::poll(fds[0].fd, fds[0].events, timeout_ns == 0 ? fiber::io::Deadline(std::chrono::nanoseconds(0)) : d);
+    // timeout_ns is never 0 here (poll, ppoll and select make the real call for that), so
+    // deadline_of's "<= 0: none" reads as "< 0: wait for ever".
+    const int r = fiber::io::poll(fds[0].fd, fds[0].events, deadline_of(timeout_ns));
     if (r == -ETIMEDOUT) return 0;
     if (r == -EBADF) {
       fds[0].revents = POLLNVAL;

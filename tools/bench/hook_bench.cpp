@@ -45,10 +45,10 @@ int main(int argc, char** argv) {
     run(true, sv[0], sv[1], n / 10);  // warm up: the hook learns the descriptors
     run(false, sv[0], sv[1], n / 10);
     // Interleave halves so drift hits both sides alike.
-    hooked = (run(true, sv[0], sv[1], n / 2) + 0) / 2;
-    raw = run(false, sv[0], sv[1], n / 2) / 2;
-    hooked += run(true, sv[0], sv[1], n / 2) / 2;
-    raw += run(false, sv[0], sv[1], n / 2) / 2;
+    for (int half = 0; half < 2; ++half) {
+      hooked += run(true, sv[0], sv[1], n / 2) / 2;
+      raw += run(false, sv[0], sv[1], n / 2) / 2;
+    }
   });
   std::printf("workload=hook_rw impl=libfiber value=%.1f unit=ns/write+read extra=ratio=%.3f,n=%ld\n", hooked, hooked / raw, n);
   std::printf("workload=hook_rw impl=raw value=%.1f unit=ns/write+read extra=n=%ld\n", raw, n);

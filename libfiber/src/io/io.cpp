@@ -315,50 +315,17 @@ using detail::Fiber;
 using detail::Path;
 namespace raw = detail::raw;
 
+// read/write are readv/writev of one buffer: the same paths, one place to keep them right.
 ssize_t read(int fd, void* buf, size_t n, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
-  const Fiber* f = detail::current_fiber();
-  if (const int rc = detail::precheck(f, dl)) return rc;
-  switch (detail::path_of(f, dl)) {
-    case Path::Uring:
-      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), -1); });
-    case Path::Ready:
-      return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return raw::recv(fd, buf, n, MSG_DONTWAIT); }, [&] { return raw::read(fd, buf, n); },
-          [&] {
-            const iovec v{buf, n};
-            return raw::preadv2(fd, &v, 1, RWF_NOWAIT);
-          });
-    case Path::Thread: break;
-  }
-  return raw::read(fd, buf, n);
+  const iovec v{buf, n};
+  return readv(fd, &v, 1, dl);
 }
 
 ssize_t write(int fd, const void* buf, size_t n, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
-  const Fiber* f = detail::current_fiber();
-  if (const int rc = detail::precheck(f, dl)) return rc;
-  switch (detail::path_of(f, dl)) {
-    case Path::Uring: {
-      // Sockets: straight into the send buffer when it has room (no park), MSG_NOSIGNAL always.
-      const ssize_t r = detail::send_now(fd, buf, n, 0);
-      if (r == -EAGAIN) {
-        return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_send(s, fd, buf, n, MSG_NOSIGNAL); });
-      }
-      if (r != -ENOTSOCK) return r;
-      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), -1); });
-    }
-    case Path::Ready:
-      return detail::transfer_ready(
-          f, fd, EPOLLOUT, dl, [&] { return detail::send_now(fd, buf, n, 0); }, [&] { return raw::write(fd, buf, n); },
-          [&] {
-            const iovec v{const_cast<void*>(buf), n};
-            return raw::pwritev2(fd, &v, 1, RWF_NOWAIT);
-          });
-    case Path::Thread: break;
-  }
-  const ssize_t r = raw::send(fd, buf, n, MSG_NOSIGNAL);
-  return r == -ENOTSOCK ? raw::write(fd, buf, n) : r;
+  const iovec v{const_cast<void*>(buf), n};
+  return writev(fd, &v, 1, dl);
 }
 
 ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
@@ -386,6 +353,7 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
   msghdr m = detail::iov_msg(iov, iovcnt);
   switch (detail::path_of(f, dl)) {
     case Path::Uring: {
+      // Sockets: straight into the send buffer when it has room (no park), MSG_NOSIGNAL always.
       const ssize_t r = raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (r == -EAGAIN) {
         return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, &m, MSG_NOSIGNAL); });
@@ -494,33 +462,23 @@ ssize_t sendmsg(int fd, const msghdr* msg, int flags, Deadline dl) noexcept {
 int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) noexcept {
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
-  switch (detail::path_of(f, dl)) {
-    case Path::Uring: {
-      // Not a listening socket: fail now (the ring would wait for a connection that never comes).
-      int on = 1;
-      socklen_t len = sizeof on;
-      if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) != 0) return -errno;
-      if (on == 0) return -EINVAL;
-      return static_cast<int>(
-          detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
-    }
-    case Path::Ready: {
-      // A blocking listener would block in accept4 even after readiness if another thread took
-      // the connection first; wait for readiness before each try then, and hope for the best.
-      const bool blocking = !detail::is_nonblocking(fd);
-      if (blocking) {
-        // Not listening: the kernel fails at once (EINVAL); readiness would never come.
-        int on = 1;
-        socklen_t len = sizeof on;
-        if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) != 0) return -errno;
-        if (on == 0) return -EINVAL;
-      }
-      return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, blocking,
-                                                 [&] { return raw::accept4(fd, addr, addrlen, flags); }));
-    }
-    case Path::Thread: break;
+  const Path path = detail::path_of(f, dl);
+  if (path == Path::Thread) return raw::accept4(fd, addr, addrlen, flags);
+  // Both waiting paths would wait for ever on a socket that is not listening (the ring for a
+  // connection, epoll for readiness), where the kernel's own accept fails at once.
+  int listening = 1;
+  socklen_t len = sizeof listening;
+  if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) return -errno;
+  if (listening == 0) return -EINVAL;
+  if (path == Path::Uring) {
+    return static_cast<int>(
+        detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
   }
-  return static_cast<int>(raw::accept4(fd, addr, addrlen, flags));
+  // A blocking listener would block in accept4 even after readiness if another thread took the
+  // connection first; wait for readiness before each try then, and hope for the best.
+  const bool blocking = !detail::is_nonblocking(fd);
+  return static_cast<int>(
+      detail::ready_loop(f, fd, EPOLLIN, dl, blocking, [&] { return raw::accept4(fd, addr, addrlen, flags); }));
 }
 
 int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexcept {

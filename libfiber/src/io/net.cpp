@@ -183,14 +183,19 @@ ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noex
 
 int Stream::shutdown(int how) noexcept { return ::shutdown(fd_, how) == 0 ? 0 : -errno; }
 
-int Stream::close() noexcept {
-  if (fd_ < 0) return 0;
-  // fd_ changes only once io::close has drained the fibers waiting on it: their reads of fd_
-  // (made before they listed themselves on the descriptor) happen before this write.
-  const int rc = io::close(fd_);
-  fd_ = -1;
+namespace {
+// Stream::close and Listener::close. `fd` changes only once io::close has drained the fibers
+// waiting on it: their reads of it (made before they listed themselves on the descriptor)
+// happen before this write.
+int close_owned(int& fd) noexcept {
+  if (fd < 0) return 0;
+  const int rc = io::close(fd);
+  fd = -1;
   return rc;
 }
+}  // namespace
+
+int Stream::close() noexcept { return close_owned(fd_); }
 
 int Stream::set_nodelay(bool on) noexcept {
   const int v = on ? 1 : 0;
@@ -252,11 +257,6 @@ Result<Stream> Listener::accept(io::Deadline deadline) {
   return Stream(fd);
 }
 
-int Listener::close() noexcept {
-  if (fd_ < 0) return 0;
-  const int rc = io::close(fd_);  // as Stream::close
-  fd_ = -1;
-  return rc;
-}
+int Listener::close() noexcept { return close_owned(fd_); }
 
 }  // namespace fiber::net

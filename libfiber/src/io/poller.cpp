@@ -34,7 +34,7 @@ timespec to_timespec(int64_t ns) noexcept {
 
 void Poller::complete(IoOp* op) noexcept {
   --inflight_;
-  completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  bump(completed_);
   Waiter& w = op->settling ? op->settle : op->w;
   if (waiter_claim(w, WakeReason::Notified)) {
     op->done.store(true, std::memory_order_release);
@@ -99,7 +99,7 @@ io_uring_sqe* UringPoller::sqe_for(IoOp* op) noexcept {
   io_uring_sqe* sqe = get_sqe();
   io_uring_sqe_set_data(sqe, op);
   ++inflight_;
-  count_submit();
+  bump(submitted_);
   return sqe;
 }
 
@@ -200,7 +200,7 @@ int EpollPoller::arm(IoOp* op) noexcept {
     return rc;
   }
   ++inflight_;
-  count_submit();
+  bump(submitted_);
   return 0;
 }
 
@@ -209,7 +209,7 @@ void EpollPoller::disarm(IoOp* op) noexcept {
   if (op->prev) op->prev->next = op->next; else fw.head = op->next;
   if (op->next) op->next->prev = op->prev;
   --inflight_;
-  completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // withdrawn
+  bump(completed_);  // withdrawn
   // Its registration may still fire once (one-shot); dispatch then finds nobody.
 }
 

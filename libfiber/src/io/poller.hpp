@@ -80,7 +80,8 @@ class Poller {
   void drain_eventfd() noexcept;
   // Marks `op` complete and wakes its fiber (or, if it was woken early, lets it go on).
   void complete(IoOp* op) noexcept;
-  void count_submit() noexcept { submitted_.store(submitted_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
+  // Single writer (the owner): a plain increment, published relaxed for stats readers.
+  static void bump(std::atomic<uint64_t>& c) noexcept { c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
   int event_fd_;
   uint32_t inflight_ = 0;  // owner thread only
   std::atomic<uint64_t> submitted_{0}, completed_{0};  // single writer (the owner)

@@ -97,7 +97,11 @@ void register_scheduler(SchedulerImpl* s) {
 
 void unregister_scheduler(SchedulerImpl* s) noexcept {
   std::lock_guard lock(g_schedulers_mu);
-  if (s->prev_scheduler_) s->prev_scheduler_->next_scheduler_ = s->next_scheduler_; else if (fiber_detail_schedulers == s) fiber_detail_schedulers = s->next_scheduler_;
+  if (s->prev_scheduler_) {
+    s->prev_scheduler_->next_scheduler_ = s->next_scheduler_;
+  } else if (fiber_detail_schedulers == s) {
+    fiber_detail_schedulers = s->next_scheduler_;
+  }
   if (s->next_scheduler_) s->next_scheduler_->prev_scheduler_ = s->prev_scheduler_;
   s->next_scheduler_ = s->prev_scheduler_ = nullptr;
 }

@@ -11,13 +11,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <mutex>
 
-#include "io/raw.hpp"
 #include "sched/fiber.hpp"
 #include "sched/processor.hpp"
+#include "sched/runtime.hpp"
 
 namespace fiber::detail {
 namespace {
@@ -62,16 +60,7 @@ void on_fault(int sig, siginfo_t* info, void* uc) {
     const auto lo = reinterpret_cast<uintptr_t>(f->stack.lo);
     const uintptr_t below = guarded ? g_page : 64 * 1024;
     if (addr >= lo - below && addr < lo + kRedZone) {
-      char buf[320];
-      const int n = std::snprintf(buf, sizeof buf,
-                                  "libfiber: stack overflow in fiber #%llu%s%s%s (stack %zu bytes, %s): it "
-                                  "touched %s at %p; aborting\n",
-                                  static_cast<unsigned long long>(f->id), f->name ? " '" : "", f->name ? f->name : "",
-                                  f->name ? "'" : "", f->stack.size, guarded ? "guarded" : "unguarded",
-                                  guarded ? "its guard page" : "memory below its stack", info->si_addr);
-      if (n > 0) raw::write(2, buf, static_cast<std::size_t>(std::min(n, static_cast<int>(sizeof buf) - 1)));
-      // abort() on this (alternate) stack: SIGABRT's default action ends the process.
-      std::abort();
+      report_stack_overflow(f, guarded ? "it touched its guard page" : "it touched the memory below its stack");
     }
   }
   chain(sig == SIGBUS ? g_previous_bus : g_previous_segv, sig, info, uc);

@@ -182,7 +182,7 @@ void Processor::thread_main() {
 // ------------------------------------------------------------------------------ switching
 
 void Processor::check_stack(const Fiber* f) const noexcept {
-  if (!f->stack.redzone_intact()) report_stack_overflow(f);
+  if (!f->stack.redzone_intact()) report_stack_overflow(f, "its red zone was written");
 }
 
 Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept {
@@ -261,6 +261,7 @@ void Processor::run(Fiber* f) noexcept {
   }
   if (f->ctx == nullptr && !prepare_first_run(f)) {
     f->transition(FiberState::Runnable, FiberState::Running);
+    count_finish();
     complete_fiber(f);
     f->transition(FiberState::Running, FiberState::Finished);
     drop_fiber_ref(f);
@@ -344,6 +345,7 @@ void Processor::unpin_current() noexcept {
 void Processor::finish_current() noexcept {
   Processor* p = current_processor();
   Fiber* self = p->current();
+  p->count_finish();
   complete_fiber(self);
   self->transition(FiberState::Running, FiberState::Finished);
   p = current_processor();
@@ -569,12 +571,13 @@ void Processor::park_thread() noexcept {
   const int64_t retire_after = retirable_ ? sched_.retire_after_ns() : 0;
   int64_t idle_since = retirable_ ? steady_now_ns() : 0;
   while (!shutdown_.load(std::memory_order_acquire)) {
-    // maintenance() polls the engine, which may consume a waker's eventfd wake: so check for
-    // that wake (we are off the sleepers list) before waiting, or we would sleep through it.
+    // Timers, inbox and engine - before the first wait and after each one. The engine's poll
+    // may consume a waker's eventfd wake, so look for that wake (we are off the sleepers list)
+    // every time, whatever maintenance() found, or we would sleep through it.
     maintenance();
     if (transition_from_parked()) return;
     const int64_t next = timers_.next_deadline();
-    const int64_t now = (next != TimerQueue::kNone || retirable_) ? steady_now_ns() : 0;
+    const int64_t now = coarse_now_ns();  // maintenance() just read the clock
     int64_t timeout = -1;
     if (next != TimerQueue::kNone) timeout = std::max<int64_t>(0, next - now);
     if (retirable_) {
@@ -588,8 +591,6 @@ void Processor::park_thread() noexcept {
       timeout = timeout < 0 ? left : std::min(timeout, left);
     }
     poller_->wait(timeout);
-    maintenance();
-    if (transition_from_parked()) return;
   }
   // Shutting down: leave the sleepers list so counts stay consistent.
   if (!sched_.idle().unpark_by_id(index_)) {

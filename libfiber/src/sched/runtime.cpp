@@ -246,7 +246,6 @@ void run_task(Fiber* self) noexcept {
 }
 
 void complete_fiber(Fiber* f) noexcept {
-  current_processor()->count_finish();  // always on a processor of f's scheduler
   // Registry first: once the joiner or the group waiter runs, stop() may count this fiber gone.
   f->sched->registry().remove(f);
   Group* g = f->group;
@@ -326,15 +325,14 @@ void throw_if_cancelled(const Fiber* f) {
   }
 }
 
-void report_stack_overflow(const Fiber* f) noexcept {
-  char buf[256];
+void report_stack_overflow(const Fiber* f, const char* how) noexcept {
+  char buf[320];
   const int n = std::snprintf(buf, sizeof buf,
-                              "libfiber: stack overflow in fiber #%llu%s%s%s (stack %zu bytes, %s): its red zone "
-                              "was written; aborting\n",
+                              "libfiber: stack overflow in fiber #%llu%s%s%s (stack %zu bytes, %s): %s; aborting\n",
                               static_cast<unsigned long long>(f->id), f->name ? " '" : "", f->name ? f->name : "",
                               f->name ? "'" : "", f->stack.size,
-                              f->stack.kind == StackKind::Guarded ? "guarded" : "unguarded");
-  if (n > 0) [[maybe_unused]] auto rc = detail::raw::write(2, buf, static_cast<std::size_t>(std::min(n, 255)));
+                              f->stack.kind == StackKind::Guarded ? "guarded" : "unguarded", how);
+  if (n > 0) detail::raw::write(2, buf, static_cast<std::size_t>(std::min(n, static_cast<int>(sizeof buf) - 1)));
   std::abort();
 }
 

@@ -17,7 +17,9 @@ void complete_fiber(Fiber* f) noexcept;
 void drop_fiber_ref(Fiber* f) noexcept;
 // Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding).
 void throw_if_cancelled(const Fiber* f);
-[[noreturn]] void report_stack_overflow(const Fiber* f) noexcept;
+// Writes one line naming the fiber, its stack and `how` it overflowed, then aborts. Async-signal-
+// safe (the guard-page fault handler calls it on the alternate signal stack).
+[[noreturn]] void report_stack_overflow(const Fiber* f, const char* how) noexcept;
 // Ends a prepared wait that will not be waited for. A cancel or close may have claimed it
 // meanwhile; then this returns once their unpark has landed.
 void waiter_abandon(Waiter& w) noexcept;
