@@ -8,15 +8,22 @@
 //
 // Each connection's fiber reads up to 4096 bytes and writes them back until the peer closes.
 // The accept loop survives running out of descriptors (EMFILE/ENFILE): it backs off and tries
-// again once connections have closed.
+// again once connections have closed. SIGTERM or SIGINT closes the listener and ends the server:
+// a process killed with an accept still in its ring keeps the port listening for a moment
+// (the kernel tears rings down after the process is gone), and the next server to bind it fails.
 #include <fiber/fiber.hpp>
 
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -32,6 +39,13 @@ void serve(fiber::net::Stream conn) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // SIGTERM/SIGINT are taken by a thread of ours (blocked here, before any other thread starts,
+  // so every thread inherits the mask).
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   const char* env_port = std::getenv("PORT");
   const std::string port = argc > 1 ? argv[1] : (env_port ? env_port : "18080");
   auto ln = fiber::net::Listener::listen("127.0.0.1:" + port);
@@ -41,9 +55,17 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "echo_server: listening on 127.0.0.1:%u with %zu processors\n", ln->port(),
                fiber::Scheduler::global().processors());
+  std::atomic<bool> stopping{false};
+  std::thread([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    stopping = true;
+    ln->close();  // from a plain thread: ends the accept below with EBADF, then closes
+  }).detach();
   fiber::block_on([&] {
     for (;;) {
       auto conn = ln->accept();
+      if (stopping) return;
       if (conn) {
         go [c = std::move(*conn)]() mutable { serve(std::move(c)); };
         continue;
@@ -58,5 +80,5 @@ int main(int argc, char** argv) {
       return;
     }
   });
-  return 1;
+  return stopping ? 0 : 1;
 }
