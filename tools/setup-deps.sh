@@ -8,7 +8,9 @@ packages=(
   libboost-context-dev liburing-dev              # library dependencies
   doctest-dev                                    # unit tests
   gdb                                            # debugger-driven tests
-  libhiredis-dev redis-server                    # samples/legacy_redis (hooks)
+  libhiredis-dev redis-server redis-tools        # samples/legacy_redis (hooks), redis_server tests
+  curl wrk                                       # HTTP clients of the integration tests
+  clang libclang-rt-14-dev                       # libFuzzer (tools/fuzz.sh)
 )
 
 if ! command -v dpkg-query >/dev/null 2>&1; then

@@ -1,0 +1,154 @@
+// What every sample server shares: listening, the accept loop, and a clean stop.
+//
+//   int main(int argc, char** argv) {
+//     sample::Server server("http_server", sample::port_arg(argc, argv, "8080"));
+//     if (!server.listening()) return 1;
+//     return server.run([](fiber::net::Stream conn) { serve(std::move(conn)); });
+//   }
+//
+// - The constructor blocks SIGTERM and SIGINT (construct the Server first in main, before any
+//   thread starts, so every thread inherits the mask), raises the RLIMIT_NOFILE soft limit to the
+//   hard limit (one descriptor per connection), and listens on 127.0.0.1:PORT (port 0: any free
+//   port). It then prints one line on stderr, "NAME: listening on 127.0.0.1:PORT with N
+//   processors"; the integration tests wait for it.
+// - run() accepts connections and runs `handler` in a fiber of its own for each one. The loop
+//   survives running out of descriptors (EMFILE/ENFILE): it backs off and retries once
+//   connections have closed, rather than spin or die.
+// - SIGTERM/SIGINT call `on_stop` (from a plain thread), then cancel the accept loop, which closes
+//   the listener, and every connection's fiber: its blocked read or write ends with -ECANCELED,
+//   so a handler that returns on I/O errors returns. run() returns 0 once every connection fiber
+//   has finished (1 if the accept loop failed for another reason). Closing the listener before
+//   exit matters: a process killed with an accept still in its io_uring keeps the port listening
+//   for a moment after it is gone, and the next server to bind it fails.
+#pragma once
+
+#include <fiber/fiber.hpp>
+
+#include <pthread.h>
+#include <signal.h>
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <list>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace sample {
+
+// The port: the first argument that does not start with "--", else $PORT, else `fallback`.
+inline std::string port_arg(int argc, char** argv, const char* fallback) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] != '-') return argv[i];
+    if (std::string(argv[i]).rfind("--", 0) == 0 && std::string(argv[i]).find('=') == std::string::npos) ++i;
+  }
+  const char* env = std::getenv("PORT");
+  return env != nullptr ? env : fallback;
+}
+
+class Server {
+ public:
+  Server(std::string name, const std::string& port) : name_(std::move(name)) {
+    sigemptyset(&stop_signals_);
+    sigaddset(&stop_signals_, SIGTERM);
+    sigaddset(&stop_signals_, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stop_signals_, nullptr);
+    rlimit lim{};
+    if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+      lim.rlim_cur = lim.rlim_max;
+      setrlimit(RLIMIT_NOFILE, &lim);
+    }
+    auto ln = fiber::net::Listener::listen("127.0.0.1:" + port);
+    if (!ln) {
+      std::fprintf(stderr, "%s: %s\n", name_.c_str(), ln.message().c_str());
+      return;
+    }
+    listener_ = std::move(*ln);
+    std::fprintf(stderr, "%s: listening on 127.0.0.1:%u with %zu processors\n", name_.c_str(), listener_.port(),
+                 fiber::Scheduler::global().processors());
+  }
+
+  bool listening() const noexcept { return listener_.fd() >= 0; }
+  uint16_t port() const noexcept { return listener_.port(); }
+
+  int run(std::function<void(fiber::net::Stream)> handler, std::function<void()> on_stop = {}) {
+    std::thread([this, on_stop = std::move(on_stop)] {
+      int sig = 0;
+      sigwait(&stop_signals_, &sig);
+      if (on_stop) on_stop();
+      stop();
+    }).detach();
+    bool failed = false;
+    fiber::block_on([&] {
+      {
+        const std::lock_guard<std::mutex> lock(mu_);
+        accept_loop_ = fiber::this_fiber::cancel_token();
+        if (stopping_) return;
+      }
+      for (;;) {
+        auto conn = listener_.accept();
+        if (conn) {
+          go [this, &handler, c = std::move(*conn)]() mutable { run_connection(handler, std::move(c)); };
+          continue;
+        }
+        if (conn.error() == ECANCELED) break;  // stop()
+        switch (conn.error()) {
+          case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
+            // Out of descriptors or memory: wait for connections to close rather than spin.
+            fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
+            break;
+          case ECONNABORTED: case EINTR:
+            break;
+          default:
+            std::fprintf(stderr, "%s: %s\n", name_.c_str(), conn.message().c_str());
+            failed = true;
+            break;
+        }
+        if (failed) break;
+      }
+      listener_.close();
+    });
+    return failed ? 1 : 0;
+  }
+
+ private:
+  // One entry per live connection fiber, so that stop() can cancel them all.
+  void run_connection(const std::function<void(fiber::net::Stream)>& handler, fiber::net::Stream conn) {
+    std::list<fiber::CancelToken>::iterator self;
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      self = connections_.insert(connections_.end(), fiber::this_fiber::cancel_token());
+      // A connection accepted just before stop() cancelled the others is cancelled here.
+      if (stopping_) self->cancel();
+    }
+    handler(std::move(conn));
+    const std::lock_guard<std::mutex> lock(mu_);
+    connections_.erase(self);
+  }
+
+  // Cancels the accept loop and every connection (called once, from the signal thread).
+  void stop() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    accept_loop_.cancel();
+    for (const auto& token : connections_) token.cancel();
+  }
+
+  std::string name_;
+  sigset_t stop_signals_{};
+  fiber::net::Listener listener_;
+  // mu_ guards what stop() needs: the flag and every fiber to cancel, so that a fiber registering
+  // itself either is in stop()'s sweep or sees the flag. A std::mutex, not a fiber::Mutex: the
+  // critical sections are a few pointer moves and never park, and stop() runs on a plain thread.
+  std::mutex mu_;
+  bool stopping_ = false;
+  fiber::CancelToken accept_loop_;
+  std::list<fiber::CancelToken> connections_;
+};
+
+}  // namespace sample

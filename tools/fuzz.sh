@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Fuzzes the protocol parsers with libFuzzer (clang) for a bounded time.
+#
+#   tools/fuzz.sh [TARGET...]        targets: http resp (default: all); FUZZ_SECONDS each (60)
+#
+# Each target is tests/fuzz/fuzz_<target>.cpp built with its parser under
+# -fsanitize=fuzzer,address,undefined into $FUZZ_BUILD (default /tmp/libfiber-fuzz), started from
+# a copy of tests/fuzz/corpus/<target> (new inputs stay in $FUZZ_BUILD; copy the interesting ones
+# into the corpus by hand). A crash, a sanitizer report or a failed differential check stops
+# that target with the input saved as $FUZZ_BUILD/<target>/crash-*, and the script exits 1.
+# The ctest entries fuzz_replay_<target> replay the committed corpus in every build.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=${FUZZ_BUILD:-/tmp/libfiber-fuzz}
+seconds=${FUZZ_SECONDS:-60}
+cxx=${FUZZ_CXX:-clang++}
+
+# The parser sources of each target (plain C++: no runtime).
+declare -A sources=(
+  [http]="$root/samples/http/http_parser.cpp"
+  [resp]="$root/samples/redis/resp.cpp"
+)
+targets=("$@")
+[[ ${#targets[@]} -gt 0 ]] || targets=(http resp)
+
+command -v "$cxx" >/dev/null || { echo "fuzz: $cxx not found (tools/setup-deps.sh installs clang)" >&2; exit 1; }
+status=0
+for t in "${targets[@]}"; do
+  src=${sources[$t]:-}
+  [[ -n $src ]] || { echo "fuzz: unknown target '$t' (known: ${!sources[*]})" >&2; exit 2; }
+  dir="$out/$t"
+  mkdir -p "$dir/corpus"
+  cp -n "$root/tests/fuzz/corpus/$t/"* "$dir/corpus/" 2>/dev/null || true
+  echo "==== fuzz $t: build"
+  "$cxx" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+    -I"$(dirname "$src")" "$root/tests/fuzz/fuzz_$t.cpp" "$src" -o "$dir/fuzz_$t"
+  echo "==== fuzz $t: ${seconds}s"
+  if ! (cd "$dir" && ./"fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+          -print_final_stats=1 -artifact_prefix="$dir/" corpus 2>"$dir/log"); then
+    tail -40 "$dir/log" >&2
+    echo "fuzz $t: FAILED (input saved in $dir)" >&2
+    status=1
+  else
+    grep -E '^stat::(number_of_executed_units|new_units_added)' "$dir/log" | sed "s/^/  $t /"
+    echo "  $t corpus: $(ls "$dir/corpus" | wc -l) inputs"
+  fi
+done
+exit $status
