@@ -77,12 +77,16 @@ class Server {
   uint16_t port() const noexcept { return listener_.port(); }
 
   int run(std::function<void(fiber::net::Stream)> handler, std::function<void()> on_stop = {}) {
-    std::thread([this, on_stop = std::move(on_stop)] {
+    std::thread stopper([this, on_stop = std::move(on_stop)] {
       int sig = 0;
       sigwait(&stop_signals_, &sig);
+      {
+        const std::lock_guard<std::mutex> lock(mu_);
+        if (finished_) return;  // woken by run() below: nothing to stop
+      }
       if (on_stop) on_stop();
       stop();
-    }).detach();
+    });
     bool failed = false;
     fiber::block_on([&] {
       {
@@ -113,6 +117,15 @@ class Server {
       }
       listener_.close();
     });
+    // The stopper thread uses this object: it must be finished before run() returns. If no
+    // signal came (the accept loop failed), wake it; if one came, it is finishing stop() or has
+    // exited (then the signal goes nowhere: it is blocked in every thread).
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      finished_ = true;
+    }
+    pthread_kill(stopper.native_handle(), SIGTERM);
+    stopper.join();
     return failed ? 1 : 0;
   }
 
@@ -147,6 +160,7 @@ class Server {
   // critical sections are a few pointer moves and never park, and stop() runs on a plain thread.
   std::mutex mu_;
   bool stopping_ = false;
+  bool finished_ = false;  // run() is done: the stopper thread just exits
   fiber::CancelToken accept_loop_;
   std::list<fiber::CancelToken> connections_;
 };

@@ -7,6 +7,8 @@
 //                               Pass port 0 in args; port() is the one the server bound.
 //                               stop() sends SIGTERM and returns the exit status; the destructor
 //                               kills what is left. log() is everything it wrote to stderr.
+//   CHECK_CLEAN_STOP(server)    stops it and checks it exited with status 0, showing its stderr
+//                               (a sanitizer report, say) when it did not.
 //   run(argv, input, limit)     runs a client (curl, redis-cli, wrk, ...) to completion with
 //                               `input` on its stdin; returns its exit status, stdout and stderr.
 //                               A client still running after `limit` is killed: status -1.
@@ -316,3 +318,12 @@ class Server {
 };
 
 }  // namespace fiber_test
+
+// See the header comment. A macro, so that a failure names the test's line.
+#define CHECK_CLEAN_STOP(server)                                                            \
+  do {                                                                                      \
+    const int stop_status_ = (server).stop();                                               \
+    CHECK_MESSAGE(stop_status_ == 0, "server exit status " << stop_status_ << "; its stderr:\n" \
+                                                           << (server).log());             \
+  } while (0)
+

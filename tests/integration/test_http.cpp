@@ -166,7 +166,7 @@ TEST_CASE("http: curl gets hello, HEAD has no body, other methods 405") {
   CHECK(r.out == "405");
   r = run({"curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", url(s, "/nothing-here")});
   CHECK(r.out == "404");
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: static files, directories, and paths that try to leave the root") {
@@ -201,7 +201,7 @@ TEST_CASE("http: static files, directories, and paths that try to leave the root
   CHECK(code("/static/nul%00byte") == "403");
   const std::string escape = code("/static/escape");  // a symlink out of the root
   CHECK_MESSAGE((escape == "403" || escape == "404"), "got " << escape);
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: pipelined requests are answered in order; Connection: close ends the connection") {
@@ -231,7 +231,7 @@ TEST_CASE("http: pipelined requests are answered in order; Connection: close end
   CHECK(contains(first.head, "Connection: keep-alive\r\n"));
   CHECK(old.read_response().status == 200);
   CHECK(old.read_to_eof().empty());
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: malformed requests get their status and a closed connection") {
@@ -282,7 +282,7 @@ TEST_CASE("http: malformed requests get their status and a closed connection") {
   fine.send("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n" + get_request("/"));
   CHECK(fine.read_response().status == 405);
   CHECK(fine.read_response().status == 200);
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: a slow client does not hold up the others") {
@@ -300,7 +300,7 @@ TEST_CASE("http: a slow client does not hold up the others") {
   Client other(s.port());
   other.send(get_request("/"));
   CHECK(other.read_response().body == "hello");
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: a request not finished in time gets 408; an idle connection is closed") {
@@ -320,7 +320,7 @@ TEST_CASE("http: a request not finished in time gets 408; an idle connection is 
   timed_out = true;
   CHECK(idle.read_to_eof(&timed_out).empty());
   CHECK_FALSE(timed_out);
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: wrk drives keep-alive load with no errors") {
@@ -334,11 +334,13 @@ TEST_CASE("http: wrk drives keep-alive load with no errors") {
   const auto at = r.out.find(" requests in ");
   REQUIRE(at != std::string::npos);
   CHECK(std::atol(r.out.c_str() + r.out.rfind('\n', at) + 1) > 0);
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: 10,000 concurrent connections, every response checked") {
-  constexpr int kConns = 10'000;
+  // TSan's runtime keeps a thread context per fiber and runs out of them (and of trace memory)
+  // near 8,000 live at once, in the test process and in the server; it checks 2,000.
+  constexpr int kConns = kTsan ? 2'000 : 10'000;
   REQUIRE_MESSAGE(raise_nofile(kConns + 200) >= kConns + 200, "RLIMIT_NOFILE hard limit too low for this test");
   Server s = Server::start(SERVER_BIN, {"0"}, {"FIBER_PROCS=2"});
   const std::string address = s.address();
@@ -380,7 +382,7 @@ TEST_CASE("http: 10,000 concurrent connections, every response checked") {
   CHECK_MESSAGE(failures.load() == 0, "first failure: " << first_failure);
   CHECK(connected.load() == kConns);
   CHECK(answered.load() == kConns);
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
 }
 
 TEST_CASE("http: SIGTERM with connections open ends the server with status 0") {
@@ -389,7 +391,7 @@ TEST_CASE("http: SIGTERM with connections open ends the server with status 0") {
   a.send(get_request("/"));
   CHECK(a.read_response().body == "hello");
   b.send("GET / HTTP/1.1\r\n");  // mid-request
-  CHECK(s.stop() == 0);
+  CHECK_CLEAN_STOP(s);
   CHECK(a.read_to_eof().empty());
 }
 

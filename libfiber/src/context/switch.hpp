@@ -40,17 +40,22 @@ inline RawContext make_context(void* stack_top, std::size_t size, EntryFn fn) no
 // TSan fiber contexts are expensive to create (each allocates and clears a vector clock), so
 // they are recycled: pool(nullptr) takes one, pool(f) gives f back. Every switch synchronises
 // (flags 0), so a recycled context carries no ordering a fresh one would not get anyway.
+// Never destroyed, like the global scheduler: its processors may still finish fibers while
+// static destructors run at exit.
 inline void* tsan_fiber_pool(void* give_back) noexcept {
-  static std::mutex mu;
-  static std::vector<void*> pool;
-  std::lock_guard lock(mu);
+  struct Pool {
+    std::mutex mu;
+    std::vector<void*> free;
+  };
+  static Pool* const pool = new Pool;
+  std::lock_guard lock(pool->mu);
   if (give_back) {
-    pool.push_back(give_back);
+    pool->free.push_back(give_back);
     return nullptr;
   }
-  if (pool.empty()) return __tsan_create_fiber(0);
-  void* f = pool.back();
-  pool.pop_back();
+  if (pool->free.empty()) return __tsan_create_fiber(0);
+  void* f = pool->free.back();
+  pool->free.pop_back();
   return f;
 }
 #endif
