@@ -27,10 +27,9 @@ namespace fiber {
 class Scheduler;
 
 // The smallest stack that still runs ordinary code comfortably is a few KiB; below a page,
-// stacks are "compact": packed without guard pages (see libfiber/README.md, "Stacks").
-// KNOWN BUG (open, issue 3): a million fibers parked on compact stacks across two processors
-// crash in about one run in five (a neighbouring fiber's wait record is overwritten). Do not use
-// compact stacks in production until that is fixed.
+// stacks are "compact": packed without guard pages, for fibers known to need little (a parked
+// connection, a waiter). Only the fiber's own frames run there: see libfiber/README.md,
+// "Stacks", for what that asks of the program (immediate binding, signal alternate stacks).
 inline constexpr std::size_t compact_stack_size = 2048;
 
 struct SpawnOptions {

@@ -270,9 +270,23 @@ void Processor::run(Fiber* f) noexcept {
   switch_to(this, &loop_, f, After::Nothing);
 }
 
+namespace {
+// Compact stacks (below a page, no guard page; see "Stacks" in libfiber/README.md) hold the
+// fiber's own frames and nothing more. The runtime's work around a switch - find_work(), which
+// may poll the engine, steal and allocate stacks, and complete_switch(), which runs on the stack
+// switched to - must not run there: a compact fiber always switches to and from the loop, whose
+// stack is a thread's. A fiber that finds a compact one to run hands it to the loop.
+bool is_compact(const Fiber* f) noexcept { return f->stack.kind == StackKind::Compact; }
+}  // namespace
+
 void Processor::yield_current(Processor* p) {
   Fiber* self = p->current();
   throw_if_cancelled(self);
+  if (is_compact(self)) {
+    self->set_state(FiberState::Running, FiberState::Runnable);
+    switch_to(p, self, &p->loop_, After::Yield);
+    return;
+  }
   Fiber* next = p->find_work();
   if (next == nullptr) {
     // Nothing else to run: carry on. Nothing waits behind us either, so for the watchdog this
@@ -284,8 +298,8 @@ void Processor::yield_current(Processor* p) {
     next->pinned->push_inbox(next);
     return;
   }
-  if (next->ctx == nullptr && !p->prepare_first_run(next)) {
-    p->schedule_local(next);  // let the loop finish it
+  if ((next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next)) {
+    p->schedule_local(next);  // let the loop finish or run it
     return;
   }
   self->set_state(FiberState::Running, FiberState::Runnable);
@@ -302,13 +316,13 @@ void Processor::park_current(ParkReason why) noexcept {
     // Woken before we even left: nothing to switch for.
     FiberState s = FiberState::Notified;
     if (self->state.compare_exchange_strong(s, FiberState::Running, std::memory_order_acq_rel)) break;
-    Fiber* next = p->find_work();
+    Fiber* next = is_compact(self) ? nullptr : p->find_work();
     if (next != nullptr && next->pinned != nullptr && next->pinned != p) {
       next->pinned->push_inbox(next);
       continue;
     }
-    if (next != nullptr && next->ctx == nullptr && !p->prepare_first_run(next)) {
-      p->schedule_local(next);
+    if (next != nullptr && ((next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next))) {
+      p->schedule_local(next);  // let the loop finish or run it
       next = nullptr;
     }
     switch_to(p, self, next ? next : &p->loop_, After::Park);
@@ -327,9 +341,9 @@ void Processor::move_current_to(Processor* home) noexcept {
     std::abort();
   }
   if (p == home) return;
-  Fiber* next = p->find_work();
+  Fiber* next = is_compact(self) ? nullptr : p->find_work();
   if (next != nullptr && ((next->pinned != nullptr && next->pinned != p) ||
-                          (next->ctx == nullptr && !p->prepare_first_run(next)))) {
+                          (next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next))) {
     p->schedule_yield(next);  // the loop deals with it
     next = nullptr;
   }
@@ -349,9 +363,9 @@ void Processor::finish_current() noexcept {
   complete_fiber(self);
   self->transition(FiberState::Running, FiberState::Finished);
   p = current_processor();
-  Fiber* next = p->find_work();
+  Fiber* next = is_compact(self) ? nullptr : p->find_work();
   if (next != nullptr && ((next->pinned != nullptr && next->pinned != p) ||
-                          (next->ctx == nullptr && !p->prepare_first_run(next)))) {
+                          (next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next))) {
     p->schedule_yield(next);  // the loop deals with it
     next = nullptr;
   }
