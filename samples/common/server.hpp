@@ -51,18 +51,32 @@ inline std::string port_arg(int argc, char** argv, const char* fallback) {
   return env != nullptr ? env : fallback;
 }
 
+// Blocks SIGTERM and SIGINT in the calling thread and returns them as a set for sigwait. Call it
+// first in main, before any thread starts, so that every thread inherits the mask and the
+// signals go to whoever waits for them.
+inline sigset_t block_stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
+}
+
+// One descriptor per connection: raises the RLIMIT_NOFILE soft limit to the hard limit (keeps
+// the soft one if that fails).
+inline void raise_nofile_limit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &lim);
+  }
+}
+
 class Server {
  public:
-  Server(std::string name, const std::string& port) : name_(std::move(name)) {
-    sigemptyset(&stop_signals_);
-    sigaddset(&stop_signals_, SIGTERM);
-    sigaddset(&stop_signals_, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &stop_signals_, nullptr);
-    rlimit lim{};
-    if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
-      lim.rlim_cur = lim.rlim_max;
-      setrlimit(RLIMIT_NOFILE, &lim);
-    }
+  Server(std::string name, const std::string& port) : name_(std::move(name)), stop_signals_(block_stop_signals()) {
+    raise_nofile_limit();
     auto ln = fiber::net::Listener::listen("127.0.0.1:" + port);
     if (!ln) {
       std::fprintf(stderr, "%s: %s\n", name_.c_str(), ln.message().c_str());
