@@ -12,8 +12,12 @@
 //   run(argv, input, limit)     runs a client (curl, redis-cli, wrk, ...) to completion with
 //                               `input` on its stdin; returns its exit status, stdout and stderr.
 //                               A client still running after `limit` is killed: status -1.
-//   have_program(name)          whether `name` is on PATH (tests of optional clients skip
-//                               themselves with a message, rather than fail, when it is not).
+//   have_program(name)          whether `name` is on PATH.
+//   require_program(name)       fails the test when `name` is not on PATH (tools/setup-deps.sh
+//                               installs every client the tests use: a missing one is an error,
+//                               never a silent skip).
+//   connect_loopback(port)      a blocking TCP socket connected to 127.0.0.1:port (the test
+//                               fails if it cannot connect); the caller closes it.
 //   raise_nofile(n)             raises RLIMIT_NOFILE to at least n (up to the hard limit);
 //                               returns the soft limit now in effect.
 //
@@ -23,11 +27,14 @@
 
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -137,6 +144,25 @@ inline bool have_program(const std::string& name) {
     start = end + 1;
   }
   return false;
+}
+
+inline void require_program(const std::string& name) {
+  if (!have_program(name)) FAIL(name << " not found: tools/setup-deps.sh installs it");
+}
+
+inline int connect_loopback(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE_MESSAGE(fd >= 0, "socket: " << std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    const int err = errno;
+    ::close(fd);
+    FAIL("connect to 127.0.0.1:" << port << ": " << std::strerror(err));
+  }
+  return fd;
 }
 
 inline rlim_t raise_nofile(rlim_t want) {

@@ -27,21 +27,10 @@ using namespace fiber_test;
 using namespace std::string_literals;
 namespace fs = std::filesystem;
 
-void require_program(const char* name) {
-  if (!have_program(name)) FAIL(name << " not found: tools/setup-deps.sh installs it");
-}
-
 // A blocking client socket on the test's own thread (SO_RCVTIMEO bounds every read).
 class Client {
  public:
-  explicit Client(uint16_t port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd_ >= 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(port);
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  explicit Client(uint16_t port) : fd_(connect_loopback(port)) {
     const timeval tv{static_cast<time_t>(scaled(std::chrono::milliseconds(20'000)).count() / 1000), 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   }
