@@ -50,7 +50,8 @@ void chain(const struct sigaction& prev, int sig, siginfo_t* info, void* uc) {
   sigaction(sig, &dfl, nullptr);
 }
 
-void on_fault(int sig, siginfo_t* info, void* uc) {
+// Unused in sanitizer builds, which keep their own SIGSEGV handler.
+[[maybe_unused]] void on_fault(int sig, siginfo_t* info, void* uc) {
   const Fiber* f = faulting_fiber();
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
   if (f != nullptr && f->stack) {
