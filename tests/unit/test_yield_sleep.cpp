@@ -86,6 +86,24 @@ TEST_CASE("yield: a fiber yielding in a loop does not starve the others (1 proce
   });
 }
 
+TEST_CASE("yield: a fiber yielding in a loop lets a compact-stack fiber run (1 processor)") {
+  // A compact fiber is never switched to directly: the yielder hands it to the loop and must
+  // still yield itself, or its loop takes the compact fiber back on every turn.
+  if (kSanitized) return;  // sanitizer checks need far more than a compact stack
+  fiber::Scheduler s({.processors = 1, .name = "t"});
+  std::atomic<bool> ran{false};
+  auto yielder = fiber::spawn({.scheduler = &s}, [&] {
+    fiber::spawn({.stack_size = fiber::compact_stack_size}, [&] { ran = true; }).detach();
+    long turns = 0;
+    while (!ran.load()) {
+      fiber::this_fiber::yield();
+      ++turns;
+    }
+    return turns;
+  });
+  with_watchdog(20'000ms, "a compact fiber behind a yield loop", [&] { CHECK(yielder.join() >= 1); });
+}
+
 TEST_CASE("sleep: fibers wake in deadline order (30, 10, 20 ms)") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     std::mutex mu;

@@ -299,8 +299,10 @@ void Processor::yield_current(Processor* p) {
     return;
   }
   if ((next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next)) {
-    p->schedule_local(next);  // let the loop finish or run it
-    return;
+    // The loop finishes or runs it; we still yield, behind it. (Returning instead would let a
+    // yield loop take it back from the LIFO slot on every turn, and it would never run.)
+    p->schedule_local(next);
+    next = &p->loop_;
   }
   self->set_state(FiberState::Running, FiberState::Runnable);
   switch_to(p, self, next, After::Yield);
