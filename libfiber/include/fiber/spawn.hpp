@@ -28,8 +28,9 @@ class Scheduler;
 
 // The smallest stack that still runs ordinary code comfortably is a few KiB; below a page,
 // stacks are "compact": packed without guard pages, for fibers known to need little (a parked
-// connection, a waiter). Only the fiber's own frames run there: see libfiber/README.md,
-// "Stacks", for what that asks of the program (immediate binding, signal alternate stacks).
+// connection, a waiter). Only the fiber's own frames fit there: run with LD_BIND_NOW=1, and never
+// cancel such a fiber or let an exception unwind on it (the unwinder needs more; the overflow
+// is reported and aborts). See libfiber/README.md, "Stacks".
 inline constexpr std::size_t compact_stack_size = 2048;
 
 struct SpawnOptions {

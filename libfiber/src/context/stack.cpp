@@ -1,5 +1,7 @@
 #include "context/stack.hpp"
 
+#include <elf.h>
+#include <link.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -7,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "fiber/error.hpp"
@@ -25,6 +28,47 @@ std::size_t read_max_map_count() {
 }
 
 constexpr std::size_t kChunkBytes = std::size_t{64} << 20;  // shared mappings for unguarded stacks
+
+// Whether the object's PLT is bound at load time (DF_BIND_NOW / DF_1_NOW), or has no PLT.
+bool bound_now(const dl_phdr_info* info) {
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
+    const auto* d = reinterpret_cast<const ElfW(Dyn)*>(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+    bool has_plt = false;
+    for (; d->d_tag != DT_NULL; ++d) {
+      if (d->d_tag == DT_FLAGS && (d->d_un.d_val & DF_BIND_NOW) != 0) return true;
+      if (d->d_tag == DT_FLAGS_1 && (d->d_un.d_val & DF_1_NOW) != 0) return true;
+      if (d->d_tag == DT_JMPREL) has_plt = true;
+    }
+    return !has_plt;
+  }
+  return true;  // no dynamic section: nothing to bind
+}
+
+// Compact stacks hold nothing but the fiber's own frames, and the dynamic linker's lazy binding
+// saves the whole extended register state on the stack of the first caller of a function
+// (1-3 KiB with AVX-512). libfiber and the programs linking it are bound immediately (-z now),
+// but shared libraries such as libstdc++ and libc are not unless LD_BIND_NOW is set. Says so
+// once, naming the first such library, when the first compact stack is handed out.
+void warn_if_lazily_bound() {
+  const char* env = std::getenv("LD_BIND_NOW");
+  if (env != nullptr && *env != '\0') return;
+  const char* lazy = nullptr;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) {
+        if (bound_now(info)) return 0;
+        *static_cast<const char**>(out) = info->dlpi_name[0] != '\0' ? info->dlpi_name : "the program";
+        return 1;
+      },
+      &lazy);
+  if (lazy != nullptr) {
+    std::fprintf(stderr,
+                 "libfiber: compact stacks in use, but %s is bound lazily: a fiber that is the first to call one "
+                 "of its functions can overflow a compact stack. Run with LD_BIND_NOW=1 (see \"Stacks\" in "
+                 "libfiber/README.md).\n",
+                 lazy);
+  }
+}
 
 
 }  // namespace
@@ -91,6 +135,10 @@ Stack StackAllocator::carve_locked(std::size_t size) {
 }
 
 Stack StackAllocator::allocate(std::size_t size) {
+  if (size < page_) {
+    static std::once_flag warned;
+    std::call_once(warned, warn_if_lazily_bound);
+  }
   Stack s;
   {
     std::lock_guard lock(mu_);
