@@ -101,7 +101,7 @@ class Server {
       if (on_stop) on_stop();
       stop();
     });
-    bool failed = false;
+    bool failed = false, stopped = false;
     fiber::block_on([&] {
       {
         const std::lock_guard<std::mutex> lock(mu_);
@@ -118,7 +118,11 @@ class Server {
         switch (conn.error()) {
           case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
             // Out of descriptors or memory: wait for connections to close rather than spin.
-            fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
+            try {
+              fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
+            } catch (const fiber::Cancelled&) {
+              stopped = true;  // stop() came during the back-off
+            }
             break;
           case ECONNABORTED: case EINTR:
             break;
@@ -127,7 +131,7 @@ class Server {
             failed = true;
             break;
         }
-        if (failed) break;
+        if (failed || stopped) break;
       }
       listener_.close();
     });
@@ -153,9 +157,15 @@ class Server {
       // A connection accepted just before stop() cancelled the others is cancelled here.
       if (stopping_) self->cancel();
     }
+    struct Unregister {  // also when the handler throws
+      Server* server;
+      std::list<fiber::CancelToken>::iterator self;
+      ~Unregister() {
+        const std::lock_guard<std::mutex> lock(server->mu_);
+        server->connections_.erase(self);
+      }
+    } unregister{this, self};
     handler(std::move(conn));
-    const std::lock_guard<std::mutex> lock(mu_);
-    connections_.erase(self);
   }
 
   // Cancels the accept loop and every connection (called once, from the signal thread).

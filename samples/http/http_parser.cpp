@@ -207,7 +207,7 @@ Parse Parser::parse_head(std::string_view head, Request& req) {
   req.keep_alive = req.minor_version == 1;
 
   // Header fields.
-  bool have_length = false, chunked = false, have_te = false;
+  bool have_length = false, chunked = false, have_te = false, close = false;
   size_t hosts = 0;
   body_ = Body::kNone;
   content_length_ = 0;
@@ -238,14 +238,20 @@ Parse Parser::parse_head(std::string_view head, Request& req) {
       if (have_te || !iequals(value, "chunked")) return fail(501, "unsupported Transfer-Encoding");
       have_te = chunked = true;
     } else if (iequals(name, "connection")) {
-      if (has_token(value, "close")) req.keep_alive = false;
-      else if (has_token(value, "keep-alive")) req.keep_alive = true;
+      if (has_token(value, "close")) {
+        close = true;
+      } else if (has_token(value, "keep-alive")) {
+        req.keep_alive = true;
+      }
     } else if (iequals(name, "host")) {
       ++hosts;
     }
   }
   if (req.minor_version == 1 && hosts != 1) return fail(400, hosts == 0 ? "missing Host" : "more than one Host");
   if (chunked && have_length) return fail(400, "both Content-Length and Transfer-Encoding");
+  // "close" wins over "keep-alive" whatever their order; and a 1.0 request with a transfer
+  // coding is answered, then the connection closes (RFC 9112 6.1: its framing is suspect).
+  if (close || (chunked && req.minor_version == 0)) req.keep_alive = false;
   if (chunked) {
     body_ = Body::kChunked;
   } else if (have_length && content_length_ > 0) {
@@ -284,6 +290,7 @@ Parse Parser::scan_chunks(std::string_view in) {
         }
         if (size > limits_.max_body - chunked_body_.size()) return fail(413, "request body too large");
         chunk_pos_ = pos;
+        if (raw_body_over_limit()) return fail(413, "request body too large");
         chunk_left_ = size;
         chunk_ = size == 0 ? Chunk::kTrailer : Chunk::kData;
         break;
@@ -293,6 +300,7 @@ Parse Parser::scan_chunks(std::string_view in) {
         chunked_body_.append(in.data() + chunk_pos_, take);
         chunk_pos_ += take;
         chunk_left_ -= take;
+        if (raw_body_over_limit()) return fail(413, "request body too large");
         if (chunk_left_ > 0) return Parse::kIncomplete;
         chunk_ = Chunk::kDataEnd;
         break;

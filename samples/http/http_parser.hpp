@@ -18,9 +18,10 @@
 //   400  malformed request line or header, obsolete line folding, a Content-Length that is not a
 //        number or that disagrees with another, Content-Length together with Transfer-Encoding,
 //        a bad chunk, HTTP/1.1 without Host
-//   413  a body over Limits::max_body
+//   413  a body over Limits::max_body; or a chunked body whose framing (size lines,
+//        extensions) makes it take more than max_body + max_body / 4 + 64 KiB on the wire
 //   431  the request line and headers over Limits::max_header_bytes, or more than
-//        Limits::max_headers fields
+//        Request::kMaxHeaders fields
 //   501  a Transfer-Encoding other than chunked
 //   505  a version other than 1.0 and 1.1
 //
@@ -93,6 +94,12 @@ class Parser {
   Parse parse_head(std::string_view head, Request& req);
   Parse scan_chunks(std::string_view in);
   void reset_request() noexcept;
+  // The chunked body's bytes on the wire so far (data and framing) are over their bound: a
+  // sender of one-byte chunks with 1 KiB extensions must not make the server buffer 1000x the
+  // body limit before it says no.
+  bool raw_body_over_limit() const noexcept {
+    return chunk_pos_ - head_end_ > limits_.max_body + limits_.max_body / 4 + 64 * 1024;
+  }
 
   enum class Body { kNone, kLength, kChunked };
   enum class Chunk { kSize, kData, kDataEnd, kTrailer };

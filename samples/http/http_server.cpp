@@ -164,7 +164,7 @@ bool file_path(std::string_view encoded, std::string& out) {
 // out of it either. -errno on failure.
 int open_beneath(int root_fd, const std::string& path) {
   open_how how{};
-  how.flags = O_RDONLY | O_CLOEXEC;
+  how.flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;  // a FIFO under the root must not block the open
   how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
   const long fd = ::syscall(SYS_openat2, root_fd, path.c_str(), &how, sizeof how);
   return fd >= 0 ? static_cast<int>(fd) : -errno;
@@ -191,6 +191,8 @@ class FileGuard {
 // Files up to this size are read into the output buffer and leave with the response's header
 // (and with other pipelined responses) in one write; larger ones are streamed in pieces.
 constexpr size_t kInlineFile = 64 * 1024;
+// Responses to pipelined requests are written once this much has accumulated.
+constexpr size_t kFlushAt = 256 * 1024;
 
 // Serves /static/<rest>. Appends a small response to `out`, or flushes `out` and streams the
 // file itself. Returns false when the connection failed (the caller closes it).
@@ -303,6 +305,13 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
       if (!req.keep_alive) {
         close_after = true;
         break;
+      }
+      // The next request's time starts now, if part of it is here already.
+      request_deadline = fiber::io::Deadline(cfg.request_timeout);
+      // Bound what one read's worth of pipelined requests can queue up.
+      if (out.size() >= kFlushAt) {
+        if (conn.write_all(out.data(), out.size(), cfg.write_timeout) < 0) return;
+        out.clear();
       }
     }
     if (!out.empty()) {

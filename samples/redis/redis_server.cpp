@@ -24,7 +24,9 @@
 //     100 ms and removes the expired ones (Redis's active expiry), so memory is returned even for
 //     keys nobody reads again.
 //   - A protocol error (see resp.hpp) gets "-ERR Protocol error: ..." and the connection is closed,
-//     as Redis does; every buffer is bounded, so no input makes the server grow without limit.
+//     as Redis does. Input buffers are bounded (resp.hpp), so no request makes the server grow
+//     without limit; a reply is as large as what it returns (an MGET of one big value repeated
+//     is as large as in Redis).
 //
 // On start the server raises its RLIMIT_NOFILE soft limit to the hard limit and prints
 // "redis_server: listening on 127.0.0.1:PORT with N processors" on stderr. SIGTERM or SIGINT
