@@ -23,6 +23,7 @@ declare -A sources=(
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(http resp)
 
+"$root/tools/setup-deps.sh"  # clang and its libFuzzer runtime (idempotent, silent when present)
 command -v "$cxx" >/dev/null || { echo "fuzz: $cxx not found (tools/setup-deps.sh installs clang)" >&2; exit 1; }
 status=0
 for t in "${targets[@]}"; do

@@ -342,11 +342,7 @@ void serve(fiber::net::Stream conn, Hub& hub, std::uint64_t id, std::shared_ptr<
   writer.join();
   // End-of-stream after the last line, then wait (bounded) for the client's end: closing with
   // its input unread would reset the connection, possibly before the client read the farewell.
-  conn.shutdown(SHUT_WR);
-  const auto until = std::chrono::steady_clock::now() + kLinger;
-  char buf[4096];
-  while (conn.read(buf, sizeof buf, until) > 0) {
-  }
+  sample::linger_close(conn, kLinger);
 }  // ~Stream closes the socket
 
 // Accepts connections until the listener is closed. Returns true when that was a requested stop,

@@ -73,6 +73,21 @@ inline void raise_nofile_limit() {
   }
 }
 
+// Closes a connection after a last response without losing it: stops sending (the client sees
+// end of stream after the response), then reads and drops what the client still sends - up to
+// 1 MiB, for at most `limit` - before the caller closes. Closing with input unread would make the
+// kernel send a reset, which may destroy the response before the client has read it.
+inline void linger_close(fiber::net::Stream& conn, std::chrono::milliseconds limit) {
+  conn.shutdown(SHUT_WR);
+  const fiber::io::Deadline until(limit);
+  char sink[16 * 1024];
+  for (size_t total = 0; total < (size_t{1} << 20);) {
+    const ssize_t n = conn.read(sink, sizeof sink, until);
+    if (n <= 0) break;
+    total += static_cast<size_t>(n);
+  }
+}
+
 class Server {
  public:
   Server(std::string name, const std::string& port) : name_(std::move(name)), stop_signals_(block_stop_signals()) {
@@ -101,38 +116,14 @@ class Server {
       if (on_stop) on_stop();
       stop();
     });
-    bool failed = false, stopped = false;
+    bool failed = false;
     fiber::block_on([&] {
       {
         const std::lock_guard<std::mutex> lock(mu_);
         accept_loop_ = fiber::this_fiber::cancel_token();
         if (stopping_) return;
       }
-      for (;;) {
-        auto conn = listener_.accept();
-        if (conn) {
-          go [this, &handler, c = std::move(*conn)]() mutable { run_connection(handler, std::move(c)); };
-          continue;
-        }
-        if (conn.error() == ECANCELED) break;  // stop()
-        switch (conn.error()) {
-          case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
-            // Out of descriptors or memory: wait for connections to close rather than spin.
-            try {
-              fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
-            } catch (const fiber::Cancelled&) {
-              stopped = true;  // stop() came during the back-off
-            }
-            break;
-          case ECONNABORTED: case EINTR:
-            break;
-          default:
-            std::fprintf(stderr, "%s: %s\n", name_.c_str(), conn.message().c_str());
-            failed = true;
-            break;
-        }
-        if (failed || stopped) break;
-      }
+      failed = accept_connections(handler);
       listener_.close();
     });
     // The stopper thread uses this object: it must be finished before run() returns. If no
@@ -148,6 +139,35 @@ class Server {
   }
 
  private:
+  // The accept loop, in a fiber of block_on's group: each connection gets a fiber of its own.
+  // Returns true when it ended on an error rather than on stop().
+  bool accept_connections(const std::function<void(fiber::net::Stream)>& handler) {
+    for (;;) {
+      auto conn = listener_.accept();
+      if (conn) {
+        go [this, &handler, c = std::move(*conn)]() mutable { run_connection(handler, std::move(c)); };
+        continue;
+      }
+      switch (conn.error()) {
+        case ECANCELED:  // stop()
+          return false;
+        case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
+          // Out of descriptors or memory: wait for connections to close rather than spin.
+          try {
+            fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
+          } catch (const fiber::Cancelled&) {
+            return false;  // stop() came during the back-off
+          }
+          break;
+        case ECONNABORTED: case EINTR:
+          break;
+        default:
+          std::fprintf(stderr, "%s: %s\n", name_.c_str(), conn.message().c_str());
+          return true;
+      }
+    }
+  }
+
   // One entry per live connection fiber, so that stop() can cancel them all.
   void run_connection(const std::function<void(fiber::net::Stream)>& handler, fiber::net::Stream conn) {
     std::list<fiber::CancelToken>::iterator self;

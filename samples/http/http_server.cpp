@@ -267,19 +267,8 @@ bool handle(fiber::net::Stream& conn, const Config& cfg, const http::Request& re
   return true;
 }
 
-// After an error response: stop sending, then read and drop what the client still sends (up to
-// a bound, briefly), so that closing does not reset the connection before the client has read
-// the response (a close with unread input sends RST, which may discard it).
-void linger_close(fiber::net::Stream& conn) {
-  conn.shutdown(SHUT_WR);
-  char sink[16 * 1024];
-  const fiber::io::Deadline until(milliseconds(2000));
-  for (size_t total = 0; total < 1024 * 1024;) {
-    const ssize_t n = conn.read(sink, sizeof sink, until);
-    if (n <= 0) break;
-    total += static_cast<size_t>(n);
-  }
-}
+// How long an error response waits for the client to read it (see sample::linger_close).
+constexpr milliseconds kLinger{2000};
 
 void serve(fiber::net::Stream conn, const Config& cfg) {
   http::Parser parser;
@@ -288,9 +277,15 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
   size_t begin = 0, end = 0;  // unconsumed input is in[begin, end)
   std::string out;
   fiber::io::Deadline request_deadline;  // set when the first byte of a request arrives
+  auto flush = [&] {
+    const bool ok = conn.write_all(out.data(), out.size(), cfg.write_timeout) >= 0;
+    out.clear();
+    return ok;
+  };
   for (;;) {
     // Answer every complete request already read (pipelining), in order, into one buffer.
     bool close_after = false, error = false;
+    const size_t begin_before = begin;
     while (begin < end) {
       const http::Parse p = parser.parse(std::string_view(in.data() + begin, end - begin), req);
       if (p == http::Parse::kIncomplete) break;
@@ -306,20 +301,14 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
         close_after = true;
         break;
       }
-      // The next request's time starts now, if part of it is here already.
-      request_deadline = fiber::io::Deadline(cfg.request_timeout);
       // Bound what one read's worth of pipelined requests can queue up.
-      if (out.size() >= kFlushAt) {
-        if (conn.write_all(out.data(), out.size(), cfg.write_timeout) < 0) return;
-        out.clear();
-      }
+      if (out.size() >= kFlushAt && !flush()) return;
     }
-    if (!out.empty()) {
-      if (conn.write_all(out.data(), out.size(), cfg.write_timeout) < 0) return;
-      out.clear();
-    }
+    // A request that follows answered ones in the same read gets its own time from now.
+    if (begin != begin_before && begin < end) request_deadline = fiber::io::Deadline(cfg.request_timeout);
+    if (!out.empty() && !flush()) return;
     if (close_after) {
-      if (error) linger_close(conn);
+      if (error) sample::linger_close(conn, kLinger);
       return;
     }
 
@@ -337,7 +326,7 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
     if (n == -ETIMEDOUT && partial) {
       simple_response(out, 408, false, false, false);
       conn.write_all(out.data(), out.size(), milliseconds(1000));
-      linger_close(conn);
+      sample::linger_close(conn, kLinger);
       return;
     }
     if (n <= 0) return;  // closed, reset, idle too long, or cancelled by a stop

@@ -414,22 +414,6 @@ bool flush(fiber::net::Stream& conn, std::string& out) {
   return sent;
 }
 
-// Ends a connection after a protocol error or QUIT: the replies are sent, then the write side
-// is shut and what the client still sends is read and dropped for a moment. Closing with unread
-// input would make the kernel send a reset, which can destroy the reply before the client has
-// read it.
-void close_gracefully(fiber::net::Stream& conn) {
-  conn.shutdown(SHUT_WR);
-  const fiber::io::Deadline deadline(std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
-  char sink[4096];
-  std::size_t dropped = 0;
-  while (dropped < (std::size_t{1} << 20)) {
-    const ssize_t n = conn.read(sink, sizeof sink, deadline);
-    if (n <= 0) break;
-    dropped += static_cast<std::size_t>(n);
-  }
-}
-
 void serve(fiber::net::Stream conn, Store& store) {
   // Replies are flushed at batch ends, and earlier only if they pile up past this (a pipelined
   // MGET of large values, say), which bounds the reply buffer.
@@ -442,7 +426,7 @@ void serve(fiber::net::Stream conn, Store& store) {
     if (!in.reserve(wanted)) {
       resp::append_error(out, "ERR Protocol error: query buffer limit exceeded");
       flush(conn, out);
-      return close_gracefully(conn);
+      return sample::linger_close(conn, std::chrono::milliseconds(500));
     }
     const std::size_t room = in.room();
     const ssize_t n = conn.read(in.tail(), room);
@@ -469,7 +453,7 @@ void serve(fiber::net::Stream conn, Store& store) {
       if (out.size() >= kFlushAt && !flush(conn, out)) return;
     }
     if (!flush(conn, out)) return;
-    if (failed || ctx.close) return close_gracefully(conn);
+    if (failed || ctx.close) return sample::linger_close(conn, std::chrono::milliseconds(500));
     in.adapt(static_cast<std::size_t>(n) == room);
     if (out.capacity() > 4 * kFlushAt) std::string().swap(out);
     parser.trim();

@@ -109,6 +109,9 @@ Res call(F&& f) {
 
 // ------------------------------------------------------------------------------ descriptors
 
+// Not tests/io_util.hpp's Fd, which closes with fiber::io::close: here the close goes through
+// libc, so that under the hook it takes the hooked path (and the hook's descriptor cache sees
+// the number go before the kernel reuses it).
 class Fd {
  public:
   Fd() = default;

@@ -88,24 +88,29 @@ int count_threads_named(const std::string& name) {
   return n;
 }
 
+// Forks; the child runs child_checks and reports "child-ok" through a pipe, which the parent
+// reads (a hooked read: from a fiber it parks) before it collects the child's exit code.
+void fork_and_check_child() {
+  Pair to_child = make_pipe(), from_child = make_pipe(), idle = make_pipe(O_NONBLOCK);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    from_child.a.release();
+    _exit(child_checks(to_child.a, idle.a, from_child.b));
+  }
+  from_child.b.reset();
+  CHECK(::write(to_child.b, "p", 1) == 1);
+  CHECK(read_all(from_child.a) == "child-ok");
+  const int code = wait_child(pid);
+  CHECK_MESSAGE(code == 0, "child exit code " << code << " (bit mask of failed checks; -1: it hung, -2: it crashed)");
+}
+
 }  // namespace
 
 TEST_SUITE("hooked") {
 TEST_CASE("process: fork from a fiber: the child's hooked calls are the real calls") {
   on_fiber(2, [] {
-    Pair to_child = make_pipe(), from_child = make_pipe(), idle = make_pipe(O_NONBLOCK);
-    const pid_t pid = ::fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-      from_child.a.release();
-      _exit(child_checks(to_child.a, idle.a, from_child.b));
-    }
-    from_child.b.reset();
-    CHECK(::write(to_child.b, "p", 1) == 1);
-    // The parent's read parks (its fiber), the child's write arrives.
-    CHECK(read_all(from_child.a) == "child-ok");
-    const int code = wait_child(pid);
-    CHECK_MESSAGE(code == 0, "child exit code " << code << " (bit mask of failed checks; -1: it hung, -2: it crashed)");
+    fork_and_check_child();  // the parent's read parks its fiber until the child writes
   });
 }
 
@@ -120,18 +125,7 @@ TEST_CASE("process: fork from a plain thread while fibers run: the child's calls
       while (!stop.load()) ::usleep(200);
     }));
   }
-  Pair to_child = make_pipe(), from_child = make_pipe(), idle = make_pipe(O_NONBLOCK);
-  const pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    from_child.a.release();
-    _exit(child_checks(to_child.a, idle.a, from_child.b));
-  }
-  from_child.b.reset();
-  CHECK(::write(to_child.b, "p", 1) == 1);
-  CHECK(read_all(from_child.a) == "child-ok");
-  const int code = wait_child(pid);
-  CHECK_MESSAGE(code == 0, "child exit code " << code << " (bit mask of failed checks; -1: it hung, -2: it crashed)");
+  fork_and_check_child();
   stop = true;
   for (auto& h : busy) h.join();
 }

@@ -62,6 +62,13 @@ StreamPair stream_pair(net::Listener& ln) {
   return {std::move(*c), std::move(*a)};
 }
 
+// A connected pair through a listener of its own (closed once the pair is made).
+StreamPair stream_pair() {
+  auto ln = net::Listener::listen("127.0.0.1:0");
+  REQUIRE_MESSAGE(ln.ok(), ln.message());
+  return stream_pair(*ln);
+}
+
 // The echo_server sample's connection fiber: reads up to 4096 bytes, writes them back, until
 // the peer closes.
 void serve_echo(net::Stream conn) {
@@ -160,9 +167,7 @@ TEST_CASE("net: write_all and read_exact move every byte; read_exact returns few
       for (Where reader : kBoth) {
         CAPTURE(where_name(writer));
         CAPTURE(where_name(reader));
-        auto ln = net::Listener::listen("127.0.0.1:0");
-        REQUIRE(ln.ok());
-        StreamPair p = stream_pair(*ln);
+        StreamPair p = stream_pair();
         const size_t len = 8 * 1024 * 1024;
         Team team;
         team.spawn(writer, s, [&] {
@@ -211,9 +216,7 @@ TEST_CASE("net: read_exact with a deadline gives ETIMEDOUT when the bytes do not
   for_each_proc_count([](fiber::Scheduler& s, int) {
     for (Where w : kBoth) {
       CAPTURE(where_name(w));
-      auto ln = net::Listener::listen("127.0.0.1:0");
-      REQUIRE(ln.ok());
-      StreamPair p = stream_pair(*ln);
+      StreamPair p = stream_pair();
       Team team;
       team.spawn(w, s, [&] {
         CHECK(p.client.write_all("12345", 5) == 5);
@@ -235,9 +238,7 @@ TEST_CASE("net: shutdown(SHUT_WR) lets the peer see end of stream while it can s
   for_each_proc_count([](fiber::Scheduler& s, int) {
     for (Where w : kBoth) {
       CAPTURE(where_name(w));
-      auto ln = net::Listener::listen("127.0.0.1:0");
-      REQUIRE(ln.ok());
-      StreamPair p = stream_pair(*ln);
+      StreamPair p = stream_pair();
       const size_t request = 300 * 1000;
       const size_t response = 500 * 1000;
       Team team;
