@@ -49,14 +49,6 @@ __attribute__((noinline)) Fiber* current_fiber() noexcept {
 }
 __attribute__((noinline)) void set_current_processor(Processor* p) noexcept { t_processor = p; }
 
-namespace {
-// glibc declares __errno_location() `const`, so within one function the compiler may reuse the
-// address it returned before a switch - the old thread's errno. Reading and writing it in
-// separate non-inlined functions forces a fresh lookup on the thread we run on now.
-__attribute__((noinline)) int load_errno() noexcept { return errno; }
-__attribute__((noinline)) void store_errno(int v) noexcept { errno = v; }
-}  // namespace
-
 Processor::Processor(SchedulerImpl& sched, uint32_t index, bool retirable)
     : sched_(sched),
       index_(index),
@@ -140,6 +132,7 @@ void remove_overflow_altstack(void* mem) noexcept;
 
 void Processor::thread_main() {
   set_current_processor(this);
+  errno_ = &errno;
   void* altstack = install_overflow_handler_on_this_thread();
   loop_.san.on_thread();
   const std::string tname = (sched_.name() + "-P" + std::to_string(index_)).substr(0, 15);
@@ -194,11 +187,14 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   p->current_.store(to, std::memory_order_relaxed);
   p->count_switch();  // all the watchdog costs a switch
   SwitchMsg msg{p, from, to, action};
-  const int saved_errno = load_errno();
+  // errno belongs to the fiber: saved here, restored on whichever thread resumes us. Through
+  // each processor's cached errno address, not `errno`: glibc declares __errno_location()
+  // `const`, so the compiler could reuse the old thread's address after the jump.
+  const int saved_errno = *p->errno_;
   Transfer t = jump(to->ctx, from->san, to->san, &msg, action == After::Finish);
   // Resumed, possibly on another thread: everything below uses the processor from the message.
   Processor* now = complete_switch(t);
-  store_errno(saved_errno);
+  *now->errno_ = saved_errno;
   return now;
 }
 

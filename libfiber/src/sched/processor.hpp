@@ -175,6 +175,7 @@ class Processor {
 
   // ---- owner-only state
   alignas(64) Fiber loop_;  // this thread's own stack as a switch target
+  int* errno_ = nullptr;    // this thread's errno (switch_to saves and restores it per fiber)
   RunQueue queue_;
   uint32_t tick_ = 0;
   uint32_t lifo_in_a_row_ = 0;
