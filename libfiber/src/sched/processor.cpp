@@ -271,35 +271,44 @@ namespace {
 // fiber's own frames and nothing more. The runtime's work around a switch - find_work(), which
 // may poll the engine, steal and allocate stacks, and complete_switch(), which runs on the stack
 // switched to - must not run there: a compact fiber always switches to and from the loop, whose
-// stack is a thread's. A fiber that finds a compact one to run hands it to the loop.
+// stack is a thread's.
 bool is_compact(const Fiber* f) noexcept { return f->stack.kind == StackKind::Compact; }
 }  // namespace
 
+// What a fiber leaving the CPU (yield, park, move, finish) switches to: find_work()'s pick,
+// directly, when it can run from here. A pick pinned to another processor goes to that one's
+// inbox, and we look again. A pick that has no stack yet and cannot get one, or a compact one,
+// goes to the LIFO slot for the loop to finish or run, and we switch to the loop; so does a
+// compact `self`, without looking. nullptr: nothing to run at all.
+[[gnu::always_inline]] inline Fiber* Processor::next_to_run_after(const Fiber* self) noexcept {
+  if (is_compact(self)) return &loop_;
+  for (;;) {
+    Fiber* next = find_work();
+    if (next == nullptr) return nullptr;
+    if (next->pinned != nullptr && next->pinned != this) [[unlikely]] {
+      next->pinned->push_inbox(next);
+      continue;
+    }
+    if ((next->ctx == nullptr && !prepare_first_run(next)) || is_compact(next)) [[unlikely]] {
+      schedule_local(next);
+      return &loop_;
+    }
+    return next;
+  }
+}
+
 void Processor::yield_current(Processor* p) {
   Fiber* self = p->current();
-  throw_if_cancelled(self);
-  if (is_compact(self)) {
-    self->set_state(FiberState::Running, FiberState::Runnable);
-    switch_to(p, self, &p->loop_, After::Yield);
-    return;
-  }
-  Fiber* next = p->find_work();
+  if (self->wake_word.load(std::memory_order_relaxed) & WakeWord::kCancelBit) [[unlikely]] throw_if_cancelled(self);
+  Fiber* next = p->next_to_run_after(self);
   if (next == nullptr) {
     // Nothing else to run: carry on. Nothing waits behind us either, so for the watchdog this
     // counts as a switch (a fiber yielding alone is not blocking anyone).
     p->count_switch();
     return;
   }
-  if (next->pinned != nullptr && next->pinned != p) {
-    next->pinned->push_inbox(next);
-    return;
-  }
-  if ((next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next)) {
-    // The loop finishes or runs it; we still yield, behind it. (Returning instead would let a
-    // yield loop take it back from the LIFO slot on every turn, and it would never run.)
-    p->schedule_local(next);
-    next = &p->loop_;
-  }
+  // Behind whatever runs next, even when that is the loop: returning instead would let a yield
+  // loop take a fiber handed to the loop back from the LIFO slot on every turn.
   self->set_state(FiberState::Running, FiberState::Runnable);
   switch_to(p, self, next, After::Yield);
 }
@@ -310,21 +319,13 @@ void Processor::park_current(ParkReason why) noexcept {
   self->park_reason.store(why, std::memory_order_relaxed);
   self->parked_at_ns.store(p->coarse_now_ns(), std::memory_order_relaxed);
   bump(p->parks_[static_cast<std::size_t>(why)]);
-  for (;;) {
-    // Woken before we even left: nothing to switch for.
-    FiberState s = FiberState::Notified;
-    if (self->state.compare_exchange_strong(s, FiberState::Running, std::memory_order_acq_rel)) break;
-    Fiber* next = is_compact(self) ? nullptr : p->find_work();
-    if (next != nullptr && next->pinned != nullptr && next->pinned != p) {
-      next->pinned->push_inbox(next);
-      continue;
-    }
-    if (next != nullptr && ((next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next))) {
-      p->schedule_local(next);  // let the loop finish or run it
-      next = nullptr;
-    }
+  // Woken before we even left: nothing to switch for. A plain load and store: once a waker has
+  // made it Notified it is done with us, and nothing else moves a Parking fiber.
+  if (self->state.load(std::memory_order_acquire) == FiberState::Notified) {
+    self->state.store(FiberState::Running, std::memory_order_relaxed);
+  } else {
+    Fiber* next = p->next_to_run_after(self);
     switch_to(p, self, next ? next : &p->loop_, After::Park);
-    break;
   }
   self->park_reason.store(ParkReason::None, std::memory_order_relaxed);
 }
@@ -339,12 +340,7 @@ void Processor::move_current_to(Processor* home) noexcept {
     std::abort();
   }
   if (p == home) return;
-  Fiber* next = is_compact(self) ? nullptr : p->find_work();
-  if (next != nullptr && ((next->pinned != nullptr && next->pinned != p) ||
-                          (next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next))) {
-    p->schedule_yield(next);  // the loop deals with it
-    next = nullptr;
-  }
+  Fiber* next = p->next_to_run_after(self);
   self->set_state(FiberState::Running, FiberState::Runnable);
   switch_to(p, self, next ? next : &p->loop_, After::SendHome);
 }
@@ -359,14 +355,9 @@ void Processor::finish_current() noexcept {
   Fiber* self = p->current();
   p->count_finish();
   complete_fiber(self);
-  self->transition(FiberState::Running, FiberState::Finished);
+  self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
   p = current_processor();
-  Fiber* next = is_compact(self) ? nullptr : p->find_work();
-  if (next != nullptr && ((next->pinned != nullptr && next->pinned != p) ||
-                          (next->ctx == nullptr && !p->prepare_first_run(next)) || is_compact(next))) {
-    p->schedule_yield(next);  // the loop deals with it
-    next = nullptr;
-  }
+  Fiber* next = p->next_to_run_after(self);
   switch_to(p, self, next ? next : &p->loop_, After::Finish);
   __builtin_unreachable();
 }
@@ -644,7 +635,10 @@ void unpark(Fiber* f) noexcept {
       // Still switching away: its processor enqueues it once the switch is complete.
       if (f->state.compare_exchange_weak(s, FiberState::Notified, std::memory_order_acq_rel)) return;
     } else if (s == FiberState::Parked) {
-      if (f->state.compare_exchange_weak(s, FiberState::Runnable, std::memory_order_acq_rel)) break;
+      // A store, not a CAS: a parked fiber's one waker is the one that claimed its wait (us),
+      // and the fiber itself cannot move until we enqueue it.
+      f->state.store(FiberState::Runnable, std::memory_order_release);
+      break;
     } else {
       f->bad_transition(s, FiberState::Parked, FiberState::Runnable);
     }

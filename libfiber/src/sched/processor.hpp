@@ -139,6 +139,7 @@ class Processor {
   void run(Fiber* f) noexcept;               // from the loop context
   bool prepare_first_run(Fiber* f) noexcept;  // stack + context for a fiber's first run
   Fiber* find_work() noexcept;
+  Fiber* next_to_run_after(const Fiber* self) noexcept;  // yield/park/move/finish: see there
   Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
