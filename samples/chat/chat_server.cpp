@@ -59,7 +59,6 @@
 #include <string_view>
 #include <thread>
 #include <utility>
-#include <variant>
 #include <vector>
 
 #include "common/server.hpp"
@@ -328,17 +327,13 @@ void write_lines(fiber::net::Stream& conn, Outbox& out) {
 
 // One connection, from its join (already sent by the accept loop) to its close.
 void serve(fiber::net::Stream conn, Hub& hub, std::uint64_t id, std::shared_ptr<Outbox> out) {
-  fiber::Channel<std::monostate> written;  // closed by the writer when it is done
-  auto writer = fiber::spawn([&conn, &written, out] {
-    write_lines(conn, *out);
-    written.close();
-  });
+  auto writer = fiber::spawn([&conn, out] { write_lines(conn, *out); });
   std::string farewell = read_lines(conn, hub, id);
   hub.leaves.send(Leave{id, std::move(farewell)});
   // The hub has taken the leave, so it closes the queue (if it has not already) after queueing
   // the farewell, and never touches this socket again. Wait for the writer to write the last
   // lines, but not forever: a client that does not read has its connection cut.
-  if (written.recv_for(kLinger).status == fiber::ChanStatus::timeout) conn.shutdown(SHUT_RDWR);
+  if (!writer.wait_for(kLinger)) conn.shutdown(SHUT_RDWR);
   writer.join();
   // End-of-stream after the last line, then wait (bounded) for the client's end: closing with
   // its input unread would reset the connection, possibly before the client read the farewell.

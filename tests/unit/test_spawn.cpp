@@ -7,6 +7,8 @@
 //   4. `go` with go_stack / go_name / go_on.
 //   5. Detached fibers' exceptions reach the handler (fiber::Cancelled does not).
 //   6. finished(), id(), joins from threads, fibers and other schedulers.
+//   7. Timed waits (wait_for / wait_until): time out leaving the handle joinable, succeed once the
+//      fiber finishes, race its finish (counted), and misuse.
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
@@ -14,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -595,5 +598,134 @@ TEST_CASE("spawn: fiber ids are unique and match the handles") {
     CHECK(mismatches == 0);
     CHECK(ids.size() == static_cast<std::size_t>(kFibers));
     CHECK(ids.count(0) == 0);
+  });
+}
+
+TEST_CASE("JoinHandle: wait_for / wait_until time out and leave the handle joinable, from threads and fibers") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Channel<int> gate;
+    auto h = fiber::spawn({.scheduler = &s}, [&gate] { return *gate.recv() + 1; });
+
+    // From a plain thread: every kind of deadline passes with the fiber still blocked.
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK_FALSE(h.wait_for(5ms));
+    CHECK(std::chrono::steady_clock::now() - t0 >= 5ms);  // the deadline was kept, not cut short
+    CHECK_FALSE(h.wait_for(0ms));
+    CHECK_FALSE(h.wait_for(-1s));
+    CHECK_FALSE(h.wait_until(std::chrono::steady_clock::now() + 2ms));
+    CHECK_FALSE(h.wait_until(std::chrono::system_clock::now() + 2ms));
+    CHECK(h.joinable());
+    CHECK_FALSE(h.finished());
+
+    // From a fiber of the same scheduler: it parks (the processor runs on) and times out.
+    auto waiter = fiber::spawn({.scheduler = &s}, [&h] {
+      const auto start = std::chrono::steady_clock::now();
+      const bool r = h.wait_for(5ms);
+      return std::make_pair(r, std::chrono::steady_clock::now() - start >= 5ms);
+    });
+    const auto [r, waited] = waiter.join();
+    CHECK_FALSE(r);
+    CHECK(waited);
+    CHECK(h.joinable());
+
+    // Now let it finish: a waiting fiber is woken by the finish, not by its deadline.
+    auto waiter2 = fiber::spawn({.scheduler = &s}, [&h] { return h.wait_for(std::chrono::hours(1)); });
+    fiber::this_fiber::sleep_for(2ms);
+    gate.send(41);
+    CHECK(waiter2.join());
+    CHECK(h.finished());
+    CHECK(h.wait_for(0ms));  // finished: true without waiting, as often as asked
+    CHECK(h.wait_until(std::chrono::steady_clock::time_point::min()));
+    CHECK(h.join() == 42);
+
+    // A fiber that throws: the wait says finished, join() rethrows.
+    auto bad = fiber::spawn({.scheduler = &s}, [] {
+      fiber::this_fiber::sleep_for(1ms);
+      throw TaggedError(3);
+    });
+    CHECK(bad.wait_for(std::chrono::hours(1)));
+    CHECK_THROWS_AS(bad.join(), TaggedError);
+  });
+}
+
+TEST_CASE("JoinHandle: timed waits racing the fiber's finish (counted), from a thread and from a fiber") {
+  for_each_proc_count([](fiber::Scheduler& s, int n) {
+    const int rounds = kTsan ? 300 : 2000;
+    std::mt19937 rng(static_cast<unsigned>(n));
+    int timeouts = 0, finishes = 0;
+    // One round: a fiber that finishes after 0-50 us of yields and sleeps; the waiter (a plain
+    // thread on even rounds, a fiber on odd ones) waits 0-50 us at a time until it says
+    // finished, then joins. Every round must end with the right value, and without a hang -
+    // including a fiber polling with 0 us on the target's own (single) processor.
+    for (int i = 0; i < rounds; ++i) {
+      const int work_us = static_cast<int>(rng() % 50), wait_us = static_cast<int>(rng() % 50);
+      auto h = fiber::spawn({.scheduler = &s}, [i, work_us] {
+        if (work_us % 3 == 0) fiber::this_fiber::yield();
+        if (work_us % 3 == 1) fiber::this_fiber::sleep_for(std::chrono::microseconds(work_us));
+        return i;
+      });
+      auto wait_then_join = [&h, wait_us] {
+        int waits = 0;
+        while (!h.wait_for(std::chrono::microseconds(wait_us))) ++waits;
+        return std::make_pair(h.join(), waits);
+      };
+      std::pair<int, int> got;
+      if (i % 2 == 0) {
+        got = wait_then_join();
+      } else {
+        got = fiber::spawn({.scheduler = &s}, wait_then_join).join();
+      }
+      REQUIRE(got.first == i);
+      timeouts += got.second;
+      finishes += 1;
+    }
+    CHECK(finishes == rounds);
+    CHECK_MESSAGE(timeouts > 0, "no wait ever timed out: the timeout side of the race was not exercised");
+    MESSAGE("procs " << n << ": " << timeouts << " timed-out waits over " << rounds << " rounds");
+    CHECK(s.live_fibers() == 0);
+  });
+}
+
+TEST_CASE("JoinHandle: timed-wait misuse is a UsageError; a cancelled waiter gets Cancelled") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::JoinHandle<int> empty;
+    try {
+      (void)empty.wait_for(1ms);
+      FAIL_CHECK("wait_for on an empty handle did not throw");
+    } catch (const fiber::UsageError& e) {
+      const bool names_it = contains(e.what(), "wait_for") && contains(e.what(), "empty");
+      CHECK_MESSAGE(names_it, "message: " << e.what());
+    }
+    CHECK_THROWS_AS((void)empty.wait_until(std::chrono::steady_clock::now()), fiber::UsageError);
+
+    // A fiber waiting for itself.
+    fiber::WaitGroup ready;
+    ready.add(1);
+    fiber::JoinHandle<std::string> self;
+    self = fiber::spawn({.scheduler = &s}, [&]() -> std::string {
+      ready.wait();
+      try {
+        (void)self.wait_for(1ms);
+        return "no exception";
+      } catch (const fiber::UsageError& e) {
+        return e.what();
+      }
+    });
+    ready.done();
+    const std::string what = self.join();
+    const bool names_it = contains(what, "wait_for") && contains(what, "itself");
+    CHECK_MESSAGE(names_it, "self-wait gave: " << what);
+
+    // A waiter cancelled in a long timed wait throws Cancelled; the target is untouched.
+    fiber::Channel<int> gate;
+    auto target = fiber::spawn({.scheduler = &s}, [&gate] { return *gate.recv(); });
+    auto waiter = fiber::spawn({.scheduler = &s}, [&target] { return target.wait_for(std::chrono::hours(1)); });
+    fiber::this_fiber::sleep_for(2ms);
+    waiter.cancel();
+    CHECK_THROWS_AS((void)waiter.join(), fiber::Cancelled);
+    CHECK(target.joinable());
+    CHECK_FALSE(target.finished());
+    gate.send(9);
+    CHECK(target.join() == 9);
   });
 }

@@ -11,8 +11,10 @@
 // group); from a plain thread, to the default scheduler, unless `scheduler` says otherwise.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
@@ -20,6 +22,7 @@
 
 #include "fiber/config.hpp"
 #include "fiber/detail/task.hpp"
+#include "fiber/detail/wait.hpp"
 #include "fiber/error.hpp"
 
 namespace fiber {
@@ -146,6 +149,21 @@ class JoinHandle {
     reset();
   }
 
+  // Waits at most `d` / until `tp` for the fiber to finish (parks a fiber, blocks a thread):
+  // true once it has - join() then returns at once - and false on timeout (d <= 0: only
+  // checks; a fiber still yields once). The handle stays joinable either way, so a caller can
+  // wait again, cancel() or
+  // detach(). Throws UsageError on an empty handle or when a fiber waits for itself, and
+  // fiber::Cancelled if the waiting fiber is cancelled.
+  template <typename Rep, typename Period>
+  bool wait_for(std::chrono::duration<Rep, Period> d) {
+    return wait_until_(detail::deadline_after(d), "fiber::JoinHandle::wait_for");
+  }
+  template <typename Clock, typename Duration>
+  bool wait_until(const std::chrono::time_point<Clock, Duration>& tp) {
+    return wait_until_(detail::to_deadline(tp), "fiber::JoinHandle::wait_until");
+  }
+
   bool joinable() const noexcept { return f_ != nullptr; }
   // True once the fiber has finished (join() will not wait).
   bool finished() const noexcept { return f_ && detail::fiber_finished(f_); }
@@ -167,6 +185,11 @@ class JoinHandle {
   JoinHandle(detail::Fiber* f, detail::ResultSlot<T>* slot) noexcept : f_(f), slot_(slot) {}
   void reset() noexcept {
     if (f_) detail::fiber_detach(std::exchange(f_, nullptr));
+  }
+  bool wait_until_(detail::Deadline d, const char* what) {
+    if (!f_) throw UsageError(std::string(what) + ": the handle is empty (already joined, detached or moved from)");
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(d.time_since_epoch()).count();
+    return detail::fiber_wait_until(f_, ns, what);
   }
 
   detail::Fiber* f_ = nullptr;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <vector>
 #include <cstdio>
@@ -263,21 +264,39 @@ void drop_fiber_ref(Fiber* f) noexcept {
 }
 
 void fiber_join(Fiber* f) {
-  if (current_fiber() == f) throw UsageError("fiber::JoinHandle::join: a fiber cannot join itself");
-  if (f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinished) return;
+  fiber_wait_until(f, std::numeric_limits<int64_t>::max(), "fiber::JoinHandle::join");
+}
+
+bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
+  Fiber* self = current_fiber();
+  if (self == f) throw UsageError(std::string(what) + ": a fiber cannot wait for itself");
+  if (f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinished) return true;
+  const bool timed = deadline_ns != std::numeric_limits<int64_t>::max();
+  if (timed && steady_now_ns() >= deadline_ns) {
+    // Out of time already. A fiber still yields, as sleep_until does, so that a loop of short
+    // waits cannot keep the target (or its timers) from running on a single processor.
+    if (self == nullptr) return false;
+    this_fiber::yield();
+    return f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinished;
+  }
   waiter_prepare(f->join_waiter);
   uintptr_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
     waiter_abandon(f->join_waiter);  // it finished in between
-    return;
+    return true;
   }
-  if (waiter_wait(f->join_waiter, ParkReason::Join) == WakeReason::Cancelled) {
-    // Withdraw; if it finished meanwhile its claim fails on our (cancelled) wait: harmless,
-    // the record lives in its control block.
-    expected = Fiber::kJoinWaiting;
-    f->join_word.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
-    throw Cancelled();
-  }
+  const WakeReason r =
+      timed ? waiter_wait_until(f->join_waiter, ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))
+            : waiter_wait(f->join_waiter, ParkReason::Join);
+  if (r == WakeReason::Notified) return true;
+  // Timed out or cancelled: withdraw. If it finished meanwhile, its claim failed on our ended
+  // wait - harmless, the record lives in its control block - and it is finished for the caller.
+  // Either way nobody touches the record again before the next waiter_prepare: a later wait
+  // sees kJoinFinished first, or finds the word back at 0 and publishes a fresh wait.
+  expected = Fiber::kJoinWaiting;
+  const bool withdrawn = f->join_word.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+  if (r == WakeReason::Cancelled) throw Cancelled();
+  return !withdrawn;
 }
 
 bool fiber_finished(const Fiber* f) noexcept {

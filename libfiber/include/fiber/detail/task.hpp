@@ -2,6 +2,7 @@
 // templates construct it; not part of the API.
 #pragma once
 
+#include <cstdint>
 #include <exception>
 #include <new>
 #include <optional>
@@ -59,6 +60,9 @@ FIBER_API void fiber_submit(Fiber* f, TaskBase* task, bool joinable);
 FIBER_API void fiber_abandon(Fiber* f) noexcept;
 // JoinHandle support: wait for the fiber to finish (parks a fiber, blocks a thread).
 FIBER_API void fiber_join(Fiber* f);
+// The same, until `deadline_ns` on the steady clock (nanoseconds since its epoch): true once it
+// has finished, false on timeout. Throws UsageError, naming `what`, if the fiber is the caller.
+FIBER_API bool fiber_wait_until(Fiber* f, std::int64_t deadline_ns, const char* what);
 FIBER_API bool fiber_finished(const Fiber* f) noexcept;
 // Gives up the handle's reference without joining; reports an unobserved exception.
 FIBER_API void fiber_detach(Fiber* f) noexcept;
