@@ -3,7 +3,6 @@
 #include "io/raw.hpp"
 #include "sched/runtime.hpp"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -72,38 +71,16 @@ std::size_t task_offset(std::size_t task_align) noexcept {
   return align_up(sizeof(Fiber), std::max(task_align, alignof(Fiber)));
 }
 
-// Control blocks (Fiber + task) of up to kBlockSize bytes are slots carved from slabs. Freed
-// slots go to a per-thread free list, which spills half of itself to a global list (one lock
-// per kSpill slots) when it grows past kMaxCached, and refills from it in batches. So a fiber
-// costs two list operations, whether fibers churn (spawn, run, finish) or a million are alive
-// at once; slabs are kept for reuse, never given back (like stacks, see context/stack.hpp).
+// Control blocks (Fiber + task) of up to kBlockSize bytes are slots carved from 96 KiB slabs.
+// Freed slots go to a per-thread free list, which spills half of itself to a global list (one
+// lock per kSpill slots) when it grows past kMaxCached, and refills from it in batches. So a
+// fiber costs two list operations, whether fibers churn (spawn, run, finish) or a million are
+// alive at once; slabs are kept for reuse, never given back (like stacks, see context/stack.hpp).
 // Larger control blocks (big captures) use malloc.
-//
-// A thread's first kSmallSlabs slabs are 96 KiB from malloc, so a program with few fibers
-// pays little. A thread that keeps spawning then gets 2 MiB slabs, 2 MiB-aligned and marked
-// for transparent huge pages: their first touch is one page fault per 5,461 blocks instead of
-// one per 10.7, and those faults were 40% of a spawn when a million fibers were alive at once.
-// Where huge pages are off, the madvise fails harmlessly and the slab is ordinary memory.
 constexpr std::size_t kBlockSize = 384;
-constexpr std::size_t kSmallSlabBytes = 96 * 1024;
-constexpr std::size_t kHugeSlabBytes = 2 * 1024 * 1024;
-constexpr unsigned kSmallSlabs = 4;
+constexpr std::size_t kSlabBytes = 96 * 1024;
 constexpr std::size_t kMaxCached = 4096;
 constexpr std::size_t kSpill = kMaxCached / 2;
-static_assert(kSmallSlabBytes % kBlockSize == 0);
-
-// A kHugeSlabBytes slab at a kHugeSlabBytes boundary (what a huge page needs), or nullptr.
-char* map_huge_slab() noexcept {
-  void* m = ::mmap(nullptr, 2 * kHugeSlabBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (m == MAP_FAILED) return nullptr;
-  const auto lo = reinterpret_cast<uintptr_t>(m);
-  const uintptr_t slab = (lo + kHugeSlabBytes - 1) & ~(kHugeSlabBytes - 1);
-  const uintptr_t hi = lo + 2 * kHugeSlabBytes;
-  if (slab > lo) ::munmap(m, slab - lo);
-  if (hi > slab + kHugeSlabBytes) ::munmap(reinterpret_cast<void*>(slab + kHugeSlabBytes), hi - slab - kHugeSlabBytes);
-  ::madvise(reinterpret_cast<void*>(slab), kHugeSlabBytes, MADV_HUGEPAGE);
-  return reinterpret_cast<char*>(slab);
-}
 
 struct FreeSlot {
   FreeSlot* next;
@@ -123,7 +100,6 @@ struct SlotCache {
   std::size_t count = 0;
   char* bump = nullptr;  // the unused rest of this thread's current slab
   char* bump_end = nullptr;
-  unsigned slabs = 0;    // slabs this thread has taken (see kSmallSlabs)
 
   ~SlotCache() {  // thread exit: hand the cached slots to the global list
     while (count >= kSpill) spill();
@@ -162,12 +138,9 @@ void* allocate_block(std::size_t size) {
   }
   SlotCache& c = t_slots;
   if (c.head == nullptr && c.bump == c.bump_end && !c.refill()) {
-    const bool huge = c.slabs >= kSmallSlabs;
-    char* slab = huge ? map_huge_slab() : static_cast<char*>(std::malloc(kSmallSlabBytes));
-    if (!slab) throw ResourceError("fiber::spawn: out of memory for fiber control blocks");
-    ++c.slabs;
-    c.bump = slab;
-    c.bump_end = slab + ((huge ? kHugeSlabBytes : kSmallSlabBytes) / kBlockSize) * kBlockSize;
+    c.bump = static_cast<char*>(std::malloc(kSlabBytes));
+    if (!c.bump) throw ResourceError("fiber::spawn: out of memory for fiber control blocks");
+    c.bump_end = c.bump + kSlabBytes;
   }
   if (c.head) {
     FreeSlot* n = c.head;
