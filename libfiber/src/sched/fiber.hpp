@@ -98,7 +98,6 @@ struct Fiber {
   // For dumps (read racily by dump() and the gdb extension, hence relaxed atomics):
   std::atomic<Processor*> last_processor{nullptr};  // written when resumed
   std::atomic<int64_t> parked_at_ns{0};             // coarse steady time of its last park
-  int saved_errno = 0;             // errno of the fiber across a switch (it may migrate)
 
   // Registry of live fibers (stop, dump): links guarded by the scheduler's registry lock.
   Fiber* reg_prev = nullptr;
