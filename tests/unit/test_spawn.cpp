@@ -601,6 +601,13 @@ TEST_CASE("spawn: fiber ids are unique and match the handles") {
   });
 }
 
+namespace {
+// Fibers of `s` that have parked in a join or a timed wait so far.
+std::uint64_t join_parks(fiber::Scheduler& s) {
+  return s.stats().parks[static_cast<std::size_t>(fiber::detail::ParkReason::Join)];
+}
+}  // namespace
+
 TEST_CASE("JoinHandle: wait_for / wait_until time out and leave the handle joinable, from threads and fibers") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     fiber::Channel<int> gate;
@@ -628,9 +635,11 @@ TEST_CASE("JoinHandle: wait_for / wait_until time out and leave the handle joina
     CHECK(waited);
     CHECK(h.joinable());
 
-    // Now let it finish: a waiting fiber is woken by the finish, not by its deadline.
-    auto waiter2 = fiber::spawn({.scheduler = &s}, [&h] { return h.wait_for(std::chrono::hours(1)); });
-    fiber::this_fiber::sleep_for(2ms);
+    // Now let it finish: a waiting fiber (parked first) is woken by the finish, well before its
+    // deadline; a lost wake would make it return false after 30 s.
+    const std::uint64_t parked = join_parks(s);
+    auto waiter2 = fiber::spawn({.scheduler = &s}, [&h] { return h.wait_for(std::chrono::seconds(30)); });
+    REQUIRE(wait_for([&] { return join_parks(s) > parked; }));
     gate.send(41);
     CHECK(waiter2.join());
     CHECK(h.finished());
@@ -686,7 +695,7 @@ TEST_CASE("JoinHandle: timed waits racing the fiber's finish (counted), from a t
   });
 }
 
-TEST_CASE("JoinHandle: timed-wait misuse is a UsageError; a cancelled waiter gets Cancelled") {
+TEST_CASE("JoinHandle: timed-wait misuse is a UsageError; a cancelled waiter gets Cancelled and withdraws") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     fiber::JoinHandle<int> empty;
     try {
@@ -716,15 +725,25 @@ TEST_CASE("JoinHandle: timed-wait misuse is a UsageError; a cancelled waiter get
     const bool names_it = contains(what, "wait_for") && contains(what, "itself");
     CHECK_MESSAGE(names_it, "self-wait gave: " << what);
 
-    // A waiter cancelled in a long timed wait throws Cancelled; the target is untouched.
+    // A second wait while one is in progress is a UsageError naming the problem, and leaves the
+    // first alone; a waiter cancelled in its timed wait throws Cancelled; the target is untouched.
     fiber::Channel<int> gate;
     auto target = fiber::spawn({.scheduler = &s}, [&gate] { return *gate.recv(); });
-    auto waiter = fiber::spawn({.scheduler = &s}, [&target] { return target.wait_for(std::chrono::hours(1)); });
-    fiber::this_fiber::sleep_for(2ms);
+    const std::uint64_t parked = join_parks(s);
+    auto waiter = fiber::spawn({.scheduler = &s}, [&target] { return target.wait_for(std::chrono::seconds(30)); });
+    REQUIRE(wait_for([&] { return join_parks(s) > parked; }));
+    try {
+      (void)target.wait_for(1ms);
+      FAIL_CHECK("a second concurrent wait did not throw");
+    } catch (const fiber::UsageError& e) {
+      const bool names_it = contains(e.what(), "already waiting");
+      CHECK_MESSAGE(names_it, "message: " << e.what());
+    }
     waiter.cancel();
     CHECK_THROWS_AS((void)waiter.join(), fiber::Cancelled);
     CHECK(target.joinable());
     CHECK_FALSE(target.finished());
+    CHECK_FALSE(target.wait_for(1ms));  // the cancelled wait was withdrawn: a new one may start
     gate.send(9);
     CHECK(target.join() == 9);
   });

@@ -150,11 +150,11 @@ class JoinHandle {
   }
 
   // Waits at most `d` / until `tp` for the fiber to finish (parks a fiber, blocks a thread):
-  // true once it has - join() then returns at once - and false on timeout (d <= 0: only
-  // checks; a fiber still yields once). The handle stays joinable either way, so a caller can
-  // wait again, cancel() or
-  // detach(). Throws UsageError on an empty handle or when a fiber waits for itself, and
-  // fiber::Cancelled if the waiting fiber is cancelled.
+  // true once it has - join() then returns at once - and false on timeout. A deadline already
+  // past only checks (a fiber still yields once). The handle stays joinable either way: wait
+  // again, cancel() or detach(). Like join(), one wait at a time per handle. Throws UsageError
+  // on an empty handle, when a fiber waits for itself, or when another wait on the same fiber
+  // is in progress; fiber::Cancelled if the waiting fiber is cancelled.
   template <typename Rep, typename Period>
   bool wait_for(std::chrono::duration<Rep, Period> d) {
     return wait_until_(detail::deadline_after(d), "fiber::JoinHandle::wait_for");

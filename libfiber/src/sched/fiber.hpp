@@ -1,6 +1,7 @@
 // The fiber control block and its lifecycle.
 //
-// States and who moves a fiber between them (checked by transition()):
+// States and who moves a fiber between them (checked by transition() or set_state() on the
+// owner's side; the Parking/Parked/Notified steps are CASes, see Processor::unpark):
 //
 //   Created  --submit-->            Runnable   (spawner)
 //   Runnable --resume-->            Running    (the processor that dequeued it)
@@ -105,15 +106,17 @@ struct Fiber {
 
   SanitizerStack san;
 
-  // Checked transition for the owner-side steps; wakers use CAS loops in Processor::unpark.
+  // Checked transition with a CAS, for steps that may race (rare paths).
   void transition(FiberState from, FiberState to) noexcept {
     FiberState expected = from;
     if (!state.compare_exchange_strong(expected, to, std::memory_order_acq_rel)) {
       bad_transition(expected, from, to);
     }
   }
-  // For steps no other thread can race with (Runnable -> Running, Running -> Runnable): nobody
-  // else writes the state of a fiber that is queued or running, so a checked store suffices.
+  // For steps no other thread can race with (Runnable -> Running, Running -> Runnable,
+  // Running -> Finished): nobody else writes the state of a fiber that is queued or running,
+  // so a checked store suffices. (unpark's Parked -> Runnable is a plain store too: only the
+  // one waker that claimed the wait moves a Parked fiber.)
   void set_state(FiberState from, FiberState to) noexcept {
     const FiberState actual = state.load(std::memory_order_relaxed);
     if (actual != from) [[unlikely]] bad_transition(actual, from, to);

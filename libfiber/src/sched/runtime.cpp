@@ -252,7 +252,11 @@ void complete_fiber(Fiber* f) noexcept {
   Group* g = f->group;
   const uintptr_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
   if (old == Fiber::kJoinWaiting) {
+    // A waiting fiber lent us a reference to itself (fiber_wait_until): its claim word, which
+    // waiter_notify reads, is in its own control block, and it may have given up already.
+    Fiber* joiner = f->join_waiter.fiber;
     waiter_notify(f->join_waiter);
+    if (joiner) drop_fiber_ref(joiner);
   } else if (old == Fiber::kJoinDetached) {
     report_if_unobserved(f);  // detached: `go` fibers are born so, and a dropped handle detaches
   }
@@ -279,22 +283,37 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
     this_fiber::yield();
     return f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinished;
   }
+  const auto busy = [what] {
+    return UsageError(std::string(what) +
+                      ": another fiber or thread is already waiting for this fiber (a JoinHandle takes one wait at a time)");
+  };
+  if (f->join_word.load(std::memory_order_acquire) == Fiber::kJoinWaiting) throw busy();
+  // The record lives in `f`, but a waiting fiber's claim word is in its own control block, and
+  // the finisher reads it after its exchange in complete_fiber - possibly after a timed-out or
+  // cancelled waiter has given up, returned and ended. So a waiting fiber lends the finisher a
+  // reference to itself: complete_fiber drops it after its notify, and we drop it whenever
+  // nobody will notify (nothing published, or withdrawn). A thread's claim word is in the
+  // record and its parker is never freed, so a thread lends nothing.
+  if (self) fiber_retain(self);
   waiter_prepare(f->join_waiter);
   uintptr_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
-    waiter_abandon(f->join_waiter);  // it finished in between
-    return true;
+    waiter_abandon(f->join_waiter);
+    if (self) drop_fiber_ref(self);
+    if (expected != Fiber::kJoinFinished) throw busy();
+    return true;  // it finished in between
   }
   const WakeReason r =
       timed ? waiter_wait_until(f->join_waiter, ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))
             : waiter_wait(f->join_waiter, ParkReason::Join);
   if (r == WakeReason::Notified) return true;
   // Timed out or cancelled: withdraw. If it finished meanwhile, its claim failed on our ended
-  // wait - harmless, the record lives in its control block - and it is finished for the caller.
-  // Either way nobody touches the record again before the next waiter_prepare: a later wait
-  // sees kJoinFinished first, or finds the word back at 0 and publishes a fresh wait.
+  // wait, it keeps the lent reference to drop, and it is finished for the caller. Either way
+  // nobody touches the record again before the next waiter_prepare: a later wait sees
+  // kJoinFinished first, or finds the word back at 0 and publishes a fresh wait.
   expected = Fiber::kJoinWaiting;
   const bool withdrawn = f->join_word.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+  if (withdrawn && self) drop_fiber_ref(self);
   if (r == WakeReason::Cancelled) throw Cancelled();
   return !withdrawn;
 }
