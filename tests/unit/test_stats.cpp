@@ -36,7 +36,10 @@ TEST_CASE("stats: spawned, finished, alive and parks by reason follow a known wo
     wg.add(kFibers);
     for (int i = 0; i < kFibers; ++i) {
       fiber::spawn({.scheduler = &s}, [&] {
-        fiber::this_fiber::sleep_for(1ms);  // one Sleep park each
+        // One Sleep park each. Not 1 ms: a sleep whose deadline has passed by the time it would
+        // park yields instead (no park), and under TSan with 4 processors on 2 cores a thread
+        // can lose a millisecond between reading the clock and parking (CI saw 49 of 50).
+        fiber::this_fiber::sleep_for(100ms);
         wg.done();
       }).detach();
     }
