@@ -335,9 +335,7 @@ void serve(fiber::net::Stream conn, Hub& hub, std::uint64_t id, std::shared_ptr<
   // lines, but not forever: a client that does not read has its connection cut.
   if (!writer.wait_for(kLinger)) conn.shutdown(SHUT_RDWR);
   writer.join();
-  // End-of-stream after the last line, then wait (bounded) for the client's end: closing with
-  // its input unread would reset the connection, possibly before the client read the farewell.
-  sample::linger_close(conn, kLinger);
+  sample::linger_close(conn, kLinger);  // the farewell must not be lost to a reset
 }  // ~Stream closes the socket
 
 // Accepts connections until the listener is closed. Returns true when that was a requested stop,

@@ -194,6 +194,13 @@ constexpr size_t kInlineFile = 64 * 1024;
 // Responses to pipelined requests are written once this much has accumulated.
 constexpr size_t kFlushAt = 256 * 1024;
 
+// Writes `out` and empties it. False when the connection failed.
+bool flush(fiber::net::Stream& conn, std::string& out, milliseconds timeout) {
+  const bool ok = conn.write_all(out.data(), out.size(), timeout) >= 0;
+  out.clear();
+  return ok;
+}
+
 // Serves /static/<rest>. Appends a small response to `out`, or flushes `out` and streams the
 // file itself. Returns false when the connection failed (the caller closes it).
 bool serve_file(fiber::net::Stream& conn, const Config& cfg, const http::Request& req, std::string_view rest,
@@ -226,8 +233,7 @@ bool serve_file(fiber::net::Stream& conn, const Config& cfg, const http::Request
     return n == static_cast<ssize_t>(size);  // a file that shrank under us: give up on the connection
   }
   // Large: the header (and what was pipelined before it) first, then the file in pieces.
-  if (conn.write_all(out.data(), out.size(), cfg.write_timeout) < 0) return false;
-  out.clear();
+  if (!flush(conn, out, cfg.write_timeout)) return false;
   std::vector<char> piece(256 * 1024);
   for (size_t off = 0; off < size;) {
     const ssize_t n = fiber::io::pread(file.get(), piece.data(), std::min(piece.size(), size - off), static_cast<off_t>(off));
@@ -277,11 +283,6 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
   size_t begin = 0, end = 0;  // unconsumed input is in[begin, end)
   std::string out;
   fiber::io::Deadline request_deadline;  // set when the first byte of a request arrives
-  auto flush = [&] {
-    const bool ok = conn.write_all(out.data(), out.size(), cfg.write_timeout) >= 0;
-    out.clear();
-    return ok;
-  };
   for (;;) {
     // Answer every complete request already read (pipelining), in order, into one buffer.
     bool close_after = false, error = false;
@@ -302,11 +303,11 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
         break;
       }
       // Bound what one read's worth of pipelined requests can queue up.
-      if (out.size() >= kFlushAt && !flush()) return;
+      if (out.size() >= kFlushAt && !flush(conn, out, cfg.write_timeout)) return;
     }
     // A request that follows answered ones in the same read gets its own time from now.
     if (begin != begin_before && begin < end) request_deadline = fiber::io::Deadline(cfg.request_timeout);
-    if (!out.empty() && !flush()) return;
+    if (!out.empty() && !flush(conn, out, cfg.write_timeout)) return;
     if (close_after) {
       if (error) sample::linger_close(conn, kLinger);
       return;
@@ -325,7 +326,7 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
     const ssize_t n = conn.read(in.data() + end, in.size() - end, partial ? request_deadline : fiber::io::Deadline(cfg.idle_timeout));
     if (n == -ETIMEDOUT && partial) {
       simple_response(out, 408, false, false, false);
-      conn.write_all(out.data(), out.size(), milliseconds(1000));
+      flush(conn, out, milliseconds(1000));
       sample::linger_close(conn, kLinger);
       return;
     }

@@ -5,8 +5,8 @@
 //
 // Replies are checked against what Redis 7 answers (the expected texts were taken from
 // redis-server 7.0.15). Every wait is bounded (fiber_test::scaled limits); nothing sleeps to
-// synchronise and nothing asserts timings. Tests that need redis-cli or redis-benchmark skip
-// themselves with a message when the program is missing.
+// synchronise and nothing asserts timings. Tests that need redis-cli or redis-benchmark fail
+// when the program is missing (tools/setup-deps.sh installs both).
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
@@ -40,13 +40,6 @@ using fiber_test::scaled;
 
 Server start_server(int processors = 2) {
   return Server::start(SERVER_BIN, {"0"}, {"FIBER_PROCS=" + std::to_string(processors)});
-}
-
-// SIGTERM, then exit status 0: a clean shutdown, and under the sanitizers no report either
-// (halt_on_error makes one a non-zero status).
-void stop(Server& s) {
-  const int status = s.stop();
-  CHECK_MESSAGE(status == 0, "redis_server exit status " << status << "; its stderr:\n" << s.log());
 }
 
 // "SET k v" -> {"SET", "k", "v"}
@@ -244,7 +237,7 @@ TEST_CASE("strings: PING, ECHO, GET, SET and its options through redis-cli") {
   CHECK(cli.raw({"get", "spaced key"}) == "a b\tc\n");
   CHECK(cli.raw({"set", "empty", ""}) == "OK\n");
   CHECK(cli.raw({"exists", "empty"}) == "1\n");
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("expiry: EX, PX, EXPIRE, TTL, KEEPTTL, lazy and active removal") {
@@ -301,7 +294,7 @@ TEST_CASE("expiry: EX, PX, EXPIRE, TTL, KEEPTTL, lazy and active removal") {
   }
   CHECK(raw.call(sets, oks.size()) == oks);
   CHECK(fiber_test::wait_for([&] { return cli("dbsize") == "0"; }, 20'000ms, 20ms));
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("counters and multi-key commands: INCR, DECR, INCRBY, DECRBY, DEL, EXISTS, MGET, MSET") {
@@ -337,7 +330,7 @@ TEST_CASE("counters and multi-key commands: INCR, DECR, INCRBY, DECRBY, DEL, EXI
   CHECK(cli("get c") == "");
   CHECK(cli("flushall async") == "OK");
   CHECK(cli("flushall later") == "ERR syntax error");
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("errors and connection commands: arity, unknown commands, SELECT, CONFIG, COMMAND, QUIT") {
@@ -373,7 +366,7 @@ TEST_CASE("errors and connection commands: arity, unknown commands, SELECT, CONF
   std::string got;
   CHECK(raw.read_to_eof(got));
   CHECK(got == "+OK\r\n");
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("pipelining: many commands in one write, every reply in order") {
@@ -402,7 +395,7 @@ TEST_CASE("pipelining: many commands in one write, every reply in order") {
   raw.send(tail.substr(0, 7));
   raw.send(tail.substr(7));
   CHECK(raw.read_n(bulk("vvv!").size() + 7) == bulk("vvv!") + "+PONG\r\n");
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("malformed input: a protocol error reply, a closed connection, and the server serves on") {
@@ -444,7 +437,7 @@ TEST_CASE("malformed input: a protocol error reply, a closed connection, and the
   CHECK(bystander.call("*1\r\n$4\r\nPING\r\n", 7) == "+PONG\r\n");
   Raw after(server.port());
   CHECK(after.call(command("SET k v") + command("GET k"), 5 + 7) == "+OK\r\n$1\r\nv\r\n");
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("a slow client does not hold up the others") {
@@ -466,7 +459,7 @@ TEST_CASE("a slow client does not hold up the others") {
   // The slow one finishes later and is served as well.
   CHECK(slow.call("ue\r\n", 5) == "+OK\r\n");
   CHECK(slow.call(command("GET slow"), 11) == bulk("value"));
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("10,000 concurrent connections (1,000 under TSan), each a SET and a GET of its own key") {
@@ -509,7 +502,7 @@ TEST_CASE("10,000 concurrent connections (1,000 under TSan), each a SET and a GE
   Raw check(server.port());
   const std::string dbsize = ":" + std::to_string(kConnections) + "\r\n";
   CHECK(check.call(command("DBSIZE"), dbsize.size()) == dbsize);
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("data safe across processors: 50 connections x 1000 INCR of one key") {
@@ -549,7 +542,7 @@ TEST_CASE("data safe across processors: 50 connections x 1000 INCR of one key") 
   CHECK(exact);
   Raw check(server.port());
   CHECK(check.call(command("GET counter"), 11) == bulk("50000"));
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("redis-benchmark runs every test against the server") {
@@ -565,7 +558,7 @@ TEST_CASE("redis-benchmark runs every test against the server") {
     REQUIRE_MESSAGE(at != std::string::npos, "no result for " << test);
     CHECK(r.out.find("requests per second", at) != std::string::npos);
   }
-  stop(server);
+  CHECK_CLEAN_STOP(server);
 }
 
 TEST_CASE("SIGTERM ends the server with status 0, with clients still connected") {
@@ -574,7 +567,7 @@ TEST_CASE("SIGTERM ends the server with status 0, with clients still connected")
   Raw midway(server.port());
   midway.send("*2\r\n$3\r\nGET");
   CHECK(idle.call("PING\r\n", 7) == "+PONG\r\n");
-  stop(server);
+  CHECK_CLEAN_STOP(server);
   std::string rest;
   CHECK(idle.read_to_eof(rest));
 }

@@ -405,9 +405,7 @@ TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBA
     }
     // Stream::close while another fiber reads.
     {
-      auto ln = net::Listener::listen("127.0.0.1:0");
-      REQUIRE(ln.ok());
-      StreamPair p = stream_pair(*ln);
+      StreamPair p = stream_pair();
       std::atomic<int> started{0};
       auto h = fiber::spawn({.scheduler = &s}, [&] {
         char buf[16];

@@ -661,7 +661,7 @@ TEST_CASE("JoinHandle: timed waits racing the fiber's finish (counted), from a t
   for_each_proc_count([](fiber::Scheduler& s, int n) {
     const int rounds = kTsan ? 300 : 2000;
     std::mt19937 rng(static_cast<unsigned>(n));
-    int timeouts = 0, finishes = 0;
+    int timeouts = 0;
     // One round: a fiber that finishes after 0-50 us of yields and sleeps; the waiter (a plain
     // thread on even rounds, a fiber on odd ones) waits 0-50 us at a time until it says
     // finished, then joins. Every round must end with the right value, and without a hang -
@@ -686,9 +686,7 @@ TEST_CASE("JoinHandle: timed waits racing the fiber's finish (counted), from a t
       }
       REQUIRE(got.first == i);
       timeouts += got.second;
-      finishes += 1;
     }
-    CHECK(finishes == rounds);
     CHECK_MESSAGE(timeouts > 0, "no wait ever timed out: the timeout side of the race was not exercised");
     MESSAGE("procs " << n << ": " << timeouts << " timed-out waits over " << rounds << " rounds");
     CHECK(s.live_fibers() == 0);

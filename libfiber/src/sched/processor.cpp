@@ -299,7 +299,7 @@ bool is_compact(const Fiber* f) noexcept { return f->stack.kind == StackKind::Co
 
 void Processor::yield_current(Processor* p) {
   Fiber* self = p->current();
-  if (self->wake_word.load(std::memory_order_relaxed) & WakeWord::kCancelBit) [[unlikely]] throw_if_cancelled(self);
+  throw_if_cancelled(self);
   Fiber* next = p->next_to_run_after(self);
   if (next == nullptr) {
     // Nothing else to run: carry on. Nothing waits behind us either, so for the watchdog this

@@ -357,10 +357,8 @@ void fiber_cancel(Fiber* f) noexcept {
   }
 }
 
-void throw_if_cancelled(const Fiber* f) {
-  if (WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled && std::uncaught_exceptions() == 0) {
-    throw Cancelled();
-  }
+void throw_cancelled_unless_unwinding() {
+  if (std::uncaught_exceptions() == 0) throw Cancelled();
 }
 
 void report_stack_overflow(const Fiber* f, const char* how) noexcept {

@@ -15,8 +15,14 @@ void run_task(Fiber* self) noexcept;
 // registry, report an unobserved exception of a detached fiber.
 void complete_fiber(Fiber* f) noexcept;
 void drop_fiber_ref(Fiber* f) noexcept;
-// Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding).
-void throw_if_cancelled(const Fiber* f);
+// Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding). The bit test is
+// inline: yield calls this on every switch.
+void throw_cancelled_unless_unwinding();
+inline void throw_if_cancelled(const Fiber* f) {
+  if (WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).cancelled) [[unlikely]] {
+    throw_cancelled_unless_unwinding();
+  }
+}
 // Writes one line naming the fiber, its stack and `how` it overflowed, then aborts. Async-signal-
 // safe (the guard-page fault handler calls it on the alternate signal stack).
 [[noreturn]] void report_stack_overflow(const Fiber* f, const char* how) noexcept;
