@@ -130,7 +130,10 @@ struct SlotCache {
 };
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache t_slots;
 
-void* allocate_block(std::size_t size) {
+// Both read t_slots, so neither may be inlined (invariant 3): free_block runs in
+// complete_switch, after a jump, and with link-time optimisation a caller could otherwise reuse
+// a thread-local address computed before it.
+__attribute__((noinline)) void* allocate_block(std::size_t size) {
   if (size > kBlockSize) {
     void* p = std::malloc(size);
     if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
@@ -153,7 +156,7 @@ void* allocate_block(std::size_t size) {
   return p;
 }
 
-void free_block(void* p, bool pooled) noexcept {
+__attribute__((noinline)) void free_block(void* p, bool pooled) noexcept {
   if (!pooled) {
     std::free(p);
     return;
