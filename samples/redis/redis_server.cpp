@@ -28,21 +28,14 @@
 //     without limit; a reply is as large as what it returns (an MGET of one big value repeated
 //     is as large as in Redis).
 //
-// On start the server raises its RLIMIT_NOFILE soft limit to the hard limit and prints
-// "redis_server: listening on 127.0.0.1:PORT with N processors" on stderr. SIGTERM or SIGINT
-// stops the accept loop and the connections, closes the listener and ends the process with
-// status 0. Running out of
-// descriptors makes the accept loop back off rather than fail (as in samples/echo_server.cpp).
+// Start-up, the accept loop and the stop are samples/common/server.hpp's, as in the other
+// samples: it raises the RLIMIT_NOFILE soft limit, prints "redis_server: listening on
+// 127.0.0.1:PORT with N processors" on stderr, backs off when descriptors run out, and on
+// SIGTERM or SIGINT cancels the accept loop, the connections and (here) the expiry sweep, closes
+// the listener and ends the process with status 0.
 #include <fiber/fiber.hpp>
 
-#include <pthread.h>
-#include <signal.h>
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -472,53 +465,18 @@ void expire_keys(Store& store) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // SIGTERM/SIGINT are taken with sigwait by the main thread below.
-  sigset_t stop_signals = sample::block_stop_signals();
-  sample::raise_nofile_limit();  // one descriptor per client: allow as many as the hard limit does
-  auto ln = fiber::net::Listener::listen("127.0.0.1:" + sample::port_arg(argc, argv, "6380"));
-  if (!ln) {
-    std::fprintf(stderr, "redis_server: %s\n", ln.message().c_str());
-    return 1;
-  }
-  // A scheduler of our own (processors: $FIBER_PROCS, else one per core), so that stopping it
-  // ends every connection fiber, wherever it is parked.
-  fiber::Scheduler sched({.name = "redis"});
+  sample::Server server("redis_server", sample::port_arg(argc, argv, "6380"));
+  if (!server.listening()) return 1;
   Store store;
-  std::atomic<bool> stopping{false};
-  std::atomic<bool> failed{false};
-  fiber::spawn({.scheduler = &sched, .name = "expire"}, [&store] { expire_keys(store); }).detach();
-  fiber::spawn({.scheduler = &sched, .name = "accept"}, [&] {
-    for (;;) {
-      auto conn = ln->accept();
-      if (stopping) return;
-      if (conn) {
-        go [c = std::move(*conn), &store]() mutable { serve(std::move(c), store); };
-        continue;
-      }
-      const int err = conn.error();
-      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
-        // Out of descriptors: wait for connections to close rather than spin.
-        fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
-        continue;
-      }
-      if (err == ECONNABORTED || err == EINTR) continue;
-      std::fprintf(stderr, "redis_server: %s\n", conn.message().c_str());
-      failed = true;
-      ::kill(::getpid(), SIGTERM);  // wakes the sigwait below
-      return;
-    }
-  }).detach();
-  std::fprintf(stderr, "redis_server: listening on 127.0.0.1:%u with %zu processors\n", ln->port(),
-               sched.processors());
-
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
-  stopping = true;
-  // Cancels every fiber - the accept (its operation leaves the ring before the process does, so
-  // the port is free at once), the connections, the expiry sweep - and waits until all have
-  // ended. Closing the listener from this thread instead would race with the accept fiber,
-  // which reads the listener's descriptor.
-  sched.stop();
-  ln->close();
-  return failed ? 1 : 0;
+  auto expiry = fiber::spawn({.name = "expire"}, [&store] { expire_keys(store); });
+  // A stop signal cancels the expiry sweep along with the accept loop and the connections.
+  const int rc = server.run([&store](fiber::net::Stream conn) { serve(std::move(conn), store); },
+                            [tok = expiry.cancel_token()] { tok.cancel(); });
+  // Also when the accept loop failed and no signal came: the sweep uses `store`.
+  expiry.cancel();
+  try {
+    expiry.join();
+  } catch (const fiber::Cancelled&) {
+  }
+  return rc;
 }
