@@ -468,7 +468,7 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
   // connection, epoll for readiness), where the kernel's own accept fails at once.
   int listening = 1;
   socklen_t len = sizeof listening;
-  if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) return -errno;
+  if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) return -raw::last_errno();
   if (listening == 0) return -EINVAL;
   if (path == Path::Uring) {
     return static_cast<int>(

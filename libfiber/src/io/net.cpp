@@ -3,6 +3,7 @@
 
 #include "fiber/blocking.hpp"
 #include "fiber/error.hpp"
+#include "io/raw.hpp"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 
 namespace fiber::net {
+namespace raw = fiber::detail::raw;
 namespace {
 
 std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
@@ -53,7 +55,7 @@ bool parse_port(std::string_view s, uint16_t& out) {
 
 int socket_for(const Address& a) {
   const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  return fd < 0 ? -errno : fd;
+  return fd < 0 ? -raw::last_errno() : fd;
 }
 
 void nodelay(int fd) {
@@ -117,13 +119,18 @@ Result<Address> resolve(std::string_view host_port) {
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   int rc;
+  int sys_errno = 0;  // EAI_SYSTEM's errno, which belongs to the pool thread that made the call
   try {
-    rc = fiber::blocking([&] { return getaddrinfo(h.c_str(), nullptr, &hints, &res); });
+    rc = fiber::blocking([&] {
+      const int r = getaddrinfo(h.c_str(), nullptr, &hints, &res);
+      sys_errno = errno;
+      return r;
+    });
   } catch (const fiber::Cancelled&) {
     return Result<Address>::failure(ECANCELED, "fiber::net: resolving " + quoted(host) + ": cancelled");
   }
   if (rc != 0 || res == nullptr) {
-    return Result<Address>::failure(rc == EAI_SYSTEM ? errno : EHOSTUNREACH,
+    return Result<Address>::failure(rc == EAI_SYSTEM ? sys_errno : EHOSTUNREACH,
                                     "fiber::net: cannot resolve " + quoted(host) + ": " + gai_strerror(rc));
   }
   std::memcpy(&a.storage, res->ai_addr, res->ai_addrlen);
@@ -181,7 +188,7 @@ ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noex
   return static_cast<ssize_t>(sent);
 }
 
-int Stream::shutdown(int how) noexcept { return ::shutdown(fd_, how) == 0 ? 0 : -errno; }
+int Stream::shutdown(int how) noexcept { return ::shutdown(fd_, how) == 0 ? 0 : -raw::last_errno(); }
 
 namespace {
 // Stream::close and Listener::close. `fd` changes only once io::close has drained the fibers
@@ -199,14 +206,15 @@ int Stream::close() noexcept { return close_owned(fd_); }
 
 int Stream::set_nodelay(bool on) noexcept {
   const int v = on ? 1 : 0;
-  return setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -errno;
+  return setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -raw::last_errno();
 }
 
 Result<Address> Stream::peer_address() const {
   Address a;
   a.len = sizeof a.storage;
   if (getpeername(fd_, reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
-    return Result<Address>::failure(errno, std::string("fiber::net::Stream::peer_address: ") + std::strerror(errno));
+    const int err = raw::last_errno();
+    return Result<Address>::failure(err, std::string("fiber::net::Stream::peer_address: ") + std::strerror(err));
   }
   return a;
 }
@@ -228,13 +236,12 @@ Result<Listener> Listener::listen(std::string_view host_port, int backlog) {
   if (backlog <= 0) return Result<Listener>::failure(EINVAL, "fiber::net::Listener::listen: backlog must be positive");
   const int fd = socket_for(*addr);
   auto fail = [&](const char* what) {
-    const int err = errno;
+    const int err = raw::last_errno();
     ::close(fd);
     return Result<Listener>::failure(err, "fiber::net::Listener::listen " + quoted(host_port) + ": " + what + ": " +
                                               std::strerror(err));
   };
   if (fd < 0) {
-    errno = -fd;
     return Result<Listener>::failure(-fd, std::string("fiber::net::Listener::listen: socket: ") + std::strerror(-fd));
   }
   const int one = 1;

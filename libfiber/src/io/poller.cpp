@@ -176,9 +176,9 @@ int EpollPoller::rearm(int fd, FdWaiters& fw) noexcept {
   ev.events = want | EPOLLONESHOT;
   ev.data.u64 = static_cast<uint64_t>(fd) + 2;
   int rc = epoll_ctl(epfd_, fw.registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, fd, &ev);
-  if (rc != 0 && errno == ENOENT) rc = epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev);  // closed and reopened
-  if (rc != 0 && errno == EEXIST) rc = epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
-  if (rc != 0) return -errno;
+  if (rc != 0 && raw::last_errno() == ENOENT) rc = epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev);  // closed and reopened
+  if (rc != 0 && raw::last_errno() == EEXIST) rc = epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
+  if (rc != 0) return -raw::last_errno();
   fw.registered = true;
   return 0;
 }

@@ -17,7 +17,13 @@
 
 namespace fiber::detail::raw {
 
-inline long ret(long rc) noexcept { return rc < 0 ? -errno : rc; }
+// errno through a non-inlined read. glibc declares __errno_location() `const`, so once inlined
+// into a function that parks, a plain `errno` may reuse the address computed before the park,
+// which belongs to the thread the fiber ran on then (invariant 3). Every errno read in code that
+// can run on a fiber goes through here.
+int last_errno() noexcept;
+
+inline long ret(long rc) noexcept { return rc < 0 ? -last_errno() : rc; }
 
 inline ssize_t read(int fd, void* buf, size_t n) noexcept { return ret(::syscall(SYS_read, fd, buf, n)); }
 inline ssize_t write(int fd, const void* buf, size_t n) noexcept { return ret(::syscall(SYS_write, fd, buf, n)); }
