@@ -99,7 +99,7 @@ check_output() {  # check_output WHAT FILE
   expect "$what" "$f" alpha "^#[0-9]+ .*fiber::detail::Processor::park_current \("
   # The reason shows on a frame of the parking path (park_current's own `why` may be optimised
   # out when link-time optimisation inlines its callers' argument away).
-  expect "$what" "$f" alpha "^#[0-9]+ .*fiber::detail::.*(park_current|fiber_wait|waiter_wait) \(.*why=.*Channel"
+  expect "$what" "$f" alpha "^#[0-9]+ .*fiber::detail::.*(park_current|fiber_wait|waiter_wait(_until)?) \(.*why=.*Channel"
   expect "$what" "$f" alpha "^#[0-9]+ .*ChanBase::recv"
   expect "$what" "$f" alpha "^#[0-9]+ .*park_here_alpha \(.*gdb_target\.cpp:[0-9]+$"
   expect "$what" "$f" alpha "^#[0-9]+ .*Processor::fiber_main"
