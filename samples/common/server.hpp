@@ -17,9 +17,11 @@
 // - SIGTERM/SIGINT call `on_stop` (from a plain thread), then cancel the accept loop, which closes
 //   the listener, and every connection's fiber: its blocked read or write ends with -ECANCELED,
 //   so a handler that returns on I/O errors returns. run() returns 0 once every connection fiber
-//   has finished (1 if the accept loop failed for another reason). Closing the listener before
-//   exit matters: a process killed with an accept still in its io_uring keeps the port listening
-//   for a moment after it is gone, and the next server to bind it fails.
+//   has finished. If the accept loop fails for another reason, it says why on stderr and stops
+//   the same way (on_stop, from the accept loop's fiber, then every connection), and run()
+//   returns 1. Closing the listener before exit matters: a process killed with an accept still
+//   in its io_uring keeps the port listening for a moment after it is gone, and the next server
+//   to bind it fails.
 #pragma once
 
 #include <fiber/fiber.hpp>
@@ -106,15 +108,15 @@ class Server {
   uint16_t port() const noexcept { return listener_.port(); }
 
   int run(std::function<void(fiber::net::Stream)> handler, std::function<void()> on_stop = {}) {
-    std::thread stopper([this, on_stop = std::move(on_stop)] {
+    on_stop_ = std::move(on_stop);
+    std::thread stopper([this] {
       int sig = 0;
       sigwait(&stop_signals_, &sig);
       {
         const std::lock_guard<std::mutex> lock(mu_);
         if (finished_) return;  // woken by run() below: nothing to stop
       }
-      if (on_stop) on_stop();
-      stop();
+      shut_down();
     });
     bool failed = false;
     fiber::block_on([&] {
@@ -125,6 +127,9 @@ class Server {
       }
       failed = accept_connections(handler);
       listener_.close();
+      // block_on waits for every connection fiber: without this, a failed accept loop would
+      // leave run() waiting for the clients to hang up.
+      if (failed) shut_down();
     });
     // The stopper thread uses this object: it must be finished before run() returns. If no
     // signal came (the accept loop failed), wake it; if one came, it is finishing stop() or has
@@ -188,8 +193,15 @@ class Server {
     handler(std::move(conn));
   }
 
-  // Cancels the accept loop and every connection (called once, from the signal thread).
-  void stop() {
+  // on_stop, then cancels the accept loop and every connection. Once: from the signal thread, or
+  // from the accept loop when it failed, whichever comes first.
+  void shut_down() {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      if (shutting_down_) return;
+      shutting_down_ = true;
+    }
+    if (on_stop_) on_stop_();
     const std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     accept_loop_.cancel();
@@ -203,8 +215,10 @@ class Server {
   // itself either is in stop()'s sweep or sees the flag. A std::mutex, not a fiber::Mutex: the
   // critical sections are a few pointer moves and never park, and stop() runs on a plain thread.
   std::mutex mu_;
-  bool stopping_ = false;
-  bool finished_ = false;  // run() is done: the stopper thread just exits
+  bool shutting_down_ = false;  // shut_down() has begun (on_stop may still be running)
+  bool stopping_ = false;       // connections registering from now on cancel themselves
+  bool finished_ = false;       // run() is done: the stopper thread just exits
+  std::function<void()> on_stop_;
   fiber::CancelToken accept_loop_;
   std::list<fiber::CancelToken> connections_;
 };

@@ -453,8 +453,8 @@ void serve(fiber::net::Stream conn, Store& store) {
   }
 }
 
-// Redis's active expiry, every 100 ms. Ends when the scheduler stops (sleep_for throws
-// fiber::Cancelled, which ends a fiber quietly).
+// Redis's active expiry, every 100 ms. Ends when cancelled: sleep_for throws fiber::Cancelled,
+// which main's join() rethrows.
 void expire_keys(Store& store) {
   for (;;) {
     fiber::this_fiber::sleep_for(std::chrono::milliseconds(100));
@@ -469,11 +469,10 @@ int main(int argc, char** argv) {
   if (!server.listening()) return 1;
   Store store;
   auto expiry = fiber::spawn({.name = "expire"}, [&store] { expire_keys(store); });
-  // A stop signal cancels the expiry sweep along with the accept loop and the connections.
+  // Stopping (a signal, or a failed accept loop) cancels the expiry sweep along with the accept
+  // loop and the connections; it must be over before `store` goes.
   const int rc = server.run([&store](fiber::net::Stream conn) { serve(std::move(conn), store); },
                             [tok = expiry.cancel_token()] { tok.cancel(); });
-  // Also when the accept loop failed and no signal came: the sweep uses `store`.
-  expiry.cancel();
   try {
     expiry.join();
   } catch (const fiber::Cancelled&) {
