@@ -25,6 +25,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -165,6 +166,15 @@ inline Fd tcp_socket(int flags = 0) {
   return fd;
 }
 
+// The kernel's TCP state of a socket (TCP_ESTABLISHED, TCP_CLOSE_WAIT, ...), -errno on failure:
+// for failure messages.
+inline int tcp_state(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return -errno;
+  return info.tcpi_state;
+}
+
 // A listening socket on 127.0.0.1, any free port (see local_port).
 inline Fd tcp_listener(int backlog = 128, int flags = 0) {
   Fd ln = tcp_socket(flags);
@@ -217,6 +227,11 @@ inline SocketPair tcp_pair(SocketOptions opt = {}) {
   connect_now(a.get(), loopback(local_port(ln.get())));
   Fd b(::accept4(ln.get(), nullptr, nullptr, SOCK_CLOEXEC));
   REQUIRE(b.get() >= 0);
+  // The accepted connection is a's, not a stray one that reached the same port.
+  sockaddr_in peer{};
+  socklen_t peer_len = sizeof peer;
+  REQUIRE(::getpeername(b.get(), reinterpret_cast<sockaddr*>(&peer), &peer_len) == 0);
+  REQUIRE(ntohs(peer.sin_port) == local_port(a.get()));
   if (opt.sndbuf > 0) set_int_option(b.get(), SOL_SOCKET, SO_SNDBUF, opt.sndbuf);
   if (opt.flags & SOCK_NONBLOCK) {
     set_nonblocking(a.get());

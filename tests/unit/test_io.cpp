@@ -371,12 +371,15 @@ TEST_CASE("io: writing to a socket whose peer is gone fails with EPIPE or ECONNR
             CHECK(r == 4);
             fiber::this_fiber::sleep_for(100us);
           }
-          CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), "the last write returned " << r);
+          CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), std::string(name_of(c)) << " from a " << where_name(w)
+                                                                << ": the last write returned " << r
+                                                                << "; TCP state " << tcp_state(p.a.get()));
           for (WriteCall again : kWriteCalls) {
             r = do_write(again, p.a.get(), "ping", 4);
-            CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), name_of(again) << " returned " << r);
+            CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), std::string(name_of(again)) << " returned " << r);
             r = do_write(again, p.a.get(), "ping", 4, patience());
-            CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET), name_of(again) << " (with a deadline) returned " << r);
+            CHECK_MESSAGE((r == -EPIPE || r == -ECONNRESET),
+                          std::string(name_of(again)) << " (with a deadline) returned " << r);
           }
         });
         team.join();
