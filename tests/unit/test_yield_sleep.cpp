@@ -100,6 +100,33 @@ TEST_CASE("yield: a fiber yielding in a loop lets a compact-stack fiber run (1 p
   with_watchdog(20'000ms, "a compact fiber behind a yield loop", [&] { yielder.join(); });
 }
 
+TEST_CASE("channels: a ping-ponging pair does not starve fibers spawned from a plain thread (1 processor)") {
+  // The pair always wakes its partner into the LIFO slot, and a plain thread's spawns go to the
+  // injector: the injector must still get its turn every few dozen picks.
+  fiber::Scheduler s({.processors = 1, .name = "t"});
+  std::atomic<bool> stop{false};
+  fiber::Channel<int> ping(0), pong(0);
+  auto a = fiber::spawn({.scheduler = &s}, [&] {
+    long rounds = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      ping.send(1);
+      pong.recv();
+      ++rounds;
+    }
+    ping.close();
+    return rounds;
+  });
+  auto b = fiber::spawn({.scheduler = &s}, [&] {
+    while (auto v = ping.recv()) pong.send(*v);
+  });
+  with_watchdog(20'000ms, "injector starvation behind a ping-ponging pair", [&] {
+    for (int i = 0; i < 20; ++i) CHECK(fiber::spawn({.scheduler = &s}, [i] { return i; }).join() == i);
+    stop = true;
+    CHECK(a.join() > 0);
+    b.join();
+  });
+}
+
 TEST_CASE("sleep: fibers wake in deadline order (30, 10, 20 ms)") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     std::mutex mu;

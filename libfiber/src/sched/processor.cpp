@@ -444,11 +444,21 @@ Fiber* Processor::next_local() noexcept {
       return f;
     }
   } else if (Fiber* f = take_lifo()) {
-    // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back.
+    // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back. With
+    // nothing in the ring and the injector not due, nothing waits behind it: it runs on.
+    if (!injector_due() && !queue_.has_tasks()) {
+      lifo_in_a_row_ = 1;
+      return f;
+    }
     queue_.push_back_or_overflow(f, sched_.injector());
   }
   lifo_in_a_row_ = 0;
-  if ((tick_ & (kGlobalInterval - 1)) == 0) {
+  // Due once kGlobalInterval picks have passed, not only at ticks that are multiples of it: a
+  // pair of fibers waking each other into the LIFO slot comes here every kMaxLifoInARow + 1
+  // picks, at a fixed phase, and at those ticks takes the LIFO slot before looking here; checking
+  // at the multiples alone left the injector unread for as long as the pair ran.
+  if (injector_due()) {
+    last_injector_tick_ = tick_;
     if (Fiber* f = sched_.injector().pop()) return f;
   }
   if (Fiber* f = queue_.pop()) return f;
@@ -507,6 +517,7 @@ Fiber* Processor::find_work() noexcept {
   const uint32_t tick = ++tick_;
   Fiber* f = nullptr;
   // Common case first: no periodic duty this tick, and the LIFO slot or the ring has a fiber.
+  // (At least every kGlobalInterval ticks, next_local() decides whether the injector is due.)
   if ((tick & (kGlobalInterval - 1)) != 0 && (tick & (kEventInterval - 1)) != 0) {
     if (lifo_in_a_row_ < kMaxLifoInARow && (f = take_lifo()) != nullptr) {
       ++lifo_in_a_row_;

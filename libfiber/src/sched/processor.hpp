@@ -45,7 +45,7 @@ class Processor {
  public:
   // Tuning (Tokio's defaults, rounded to powers of two for cheap masks).
   static constexpr uint32_t kEventInterval = 64;   // ticks between non-blocking I/O/timer polls
-  static constexpr uint32_t kGlobalInterval = 32;  // ticks between injector-first picks
+  static constexpr uint32_t kGlobalInterval = 32;  // ticks between injector-first picks (at most)
   static constexpr uint32_t kMaxLifoInARow = 3;    // LIFO picks before the queue gets a turn
 
   // Thread lifecycle, read by the monitor.
@@ -143,6 +143,8 @@ class Processor {
   Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
+  // kGlobalInterval picks have passed since next_local() last read the injector first.
+  bool injector_due() const noexcept { return tick_ - last_injector_tick_ >= kGlobalInterval; }
   Fiber* steal_work() noexcept;
   Fiber* refill_from_injector() noexcept;
   void found_work_while_searching() noexcept;
@@ -179,6 +181,7 @@ class Processor {
   int* errno_ = nullptr;    // this thread's errno (switch_to saves and restores it per fiber)
   RunQueue queue_;
   uint32_t tick_ = 0;
+  uint32_t last_injector_tick_ = 0;  // tick_ when next_local() last read the injector first
   uint32_t lifo_in_a_row_ = 0;
   bool searching_ = false;  // mirrors our share of Idle's searching count
   bool retired_ = false;    // try_retire() succeeded: leave the loop
