@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -100,30 +101,57 @@ TEST_CASE("yield: a fiber yielding in a loop lets a compact-stack fiber run (1 p
   with_watchdog(20'000ms, "a compact fiber behind a yield loop", [&] { yielder.join(); });
 }
 
-TEST_CASE("channels: a ping-ponging pair does not starve fibers spawned from a plain thread (1 processor)") {
-  // The pair always wakes its partner into the LIFO slot, and a plain thread's spawns go to the
-  // injector: the injector must still get its turn every few dozen picks.
+namespace {
+// Fibers spawned from a plain thread go to the injector; on one processor they must still run
+// while `busy` keeps the processor switching. Both patterns below wake a fiber into the LIFO
+// slot at a fixed phase of the processor's ticks.
+void check_injector_not_starved(const char* what, const std::function<long(fiber::Scheduler&, std::atomic<bool>&)>& busy) {
   fiber::Scheduler s({.processors = 1, .name = "t"});
   std::atomic<bool> stop{false};
-  fiber::Channel<int> ping(0), pong(0);
-  auto a = fiber::spawn({.scheduler = &s}, [&] {
-    long rounds = 0;
-    while (!stop.load(std::memory_order_relaxed)) {
-      ping.send(1);
-      pong.recv();
-      ++rounds;
-    }
-    ping.close();
-    return rounds;
-  });
-  auto b = fiber::spawn({.scheduler = &s}, [&] {
-    while (auto v = ping.recv()) pong.send(*v);
-  });
-  with_watchdog(20'000ms, "injector starvation behind a ping-ponging pair", [&] {
+  auto runner = fiber::spawn({.scheduler = &s}, [&] { return busy(s, stop); });
+  with_watchdog(20'000ms, what, [&] {
     for (int i = 0; i < 20; ++i) CHECK(fiber::spawn({.scheduler = &s}, [i] { return i; }).join() == i);
     stop = true;
-    CHECK(a.join() > 0);
-    b.join();
+    CHECK(runner.join() > 0);
+  });
+}
+}  // namespace
+
+TEST_CASE("scheduler: a ping-ponging pair does not starve fibers spawned from a plain thread (1 processor)") {
+  check_injector_not_starved("injector starvation behind a ping-ponging pair", [](fiber::Scheduler& s, auto& stop) {
+    fiber::Channel<int> ping(0), pong(0);
+    auto echo = fiber::spawn({.scheduler = &s}, [&] {
+      while (auto v = ping.recv()) pong.send(*v);
+    });
+    long rounds = 0;
+    for (; !stop.load(std::memory_order_relaxed); ++rounds) {
+      ping.send(1);
+      pong.recv();
+    }
+    ping.close();
+    echo.join();
+    return rounds;
+  });
+}
+
+TEST_CASE("scheduler: a sender that yields after each send does not starve fibers spawned from a plain thread (1 processor)") {
+  // Each send wakes the receiver into the LIFO slot, each yield puts the sender in the ring:
+  // ring and LIFO picks alternate, and the LIFO cap is never reached.
+  check_injector_not_starved("injector starvation behind a yielding sender", [](fiber::Scheduler& s, auto& stop) {
+    fiber::Channel<int> ch(1);
+    auto receiver = fiber::spawn({.scheduler = &s}, [&] {
+      long n = 0;
+      while (ch.recv()) ++n;
+      return n;
+    });
+    long sent = 0;
+    for (; !stop.load(std::memory_order_relaxed); ++sent) {
+      ch.send(1);
+      fiber::this_fiber::yield();
+    }
+    ch.close();
+    CHECK(receiver.join() == sent);
+    return sent;
   });
 }
 

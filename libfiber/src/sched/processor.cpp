@@ -5,9 +5,11 @@
 //   yield: find_work() -> switch to it, the other side enqueues us at the tail
 //   park:  find_work() -> switch to it (or to the loop), the other side publishes us as Parked
 //
-// find_work() (DESIGN §5): tick; every kEventInterval ticks poll timers/inbox; the LIFO slot (at
-// most kMaxLifoInARow times in a row); every kGlobalInterval ticks the injector first; the local
-// queue; a batch from the injector; steal half from a victim; poll again; nothing.
+// find_work() (DESIGN §5): tick; every kEventInterval ticks poll timers/inbox; once due (about
+// every kGlobalInterval ticks) the injector first; the LIFO slot (at most kMaxLifoInARow times in
+// a row); the local queue; a batch from the injector; steal half from a victim; poll again;
+// nothing. The injector comes before the LIFO slot, not after as DESIGN §5 words it: see
+// next_local().
 #include "sched/processor.hpp"
 
 #include <pthread.h>
@@ -438,29 +440,30 @@ bool Processor::has_local_work() const noexcept {
 }
 
 Fiber* Processor::next_local() noexcept {
+  // The injector first once it is due, before the LIFO slot too (Go's and Tokio's order). Due
+  // after kGlobalInterval picks, checked here at least at every multiple of it (find_work sends
+  // those ticks here): at most 2 * kGlobalInterval picks apart. Behind the LIFO slot, or only at
+  // the multiples, fibers waking each other into the slot at a fixed phase (a channel pair; a
+  // sender that yields) kept it unread for as long as they ran.
+  if (injector_due()) {
+    last_injector_tick_ = tick_;
+    if (Fiber* f = sched_.injector().pop()) return f;
+  }
   if (lifo_in_a_row_ < kMaxLifoInARow) {
     if (Fiber* f = take_lifo()) {
       ++lifo_in_a_row_;
       return f;
     }
   } else if (Fiber* f = take_lifo()) {
-    // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back. With
-    // nothing in the ring and the injector not due, nothing waits behind it: it runs on.
-    if (!injector_due() && !queue_.has_tasks()) {
+    // A ping-ponging pair must not starve the ring: the LIFO fiber goes to the back. With nothing
+    // in the ring, nothing waits behind it: it runs on.
+    if (!queue_.has_tasks()) {
       lifo_in_a_row_ = 1;
       return f;
     }
     queue_.push_back_or_overflow(f, sched_.injector());
   }
   lifo_in_a_row_ = 0;
-  // Due once kGlobalInterval picks have passed, not only at ticks that are multiples of it: a
-  // pair of fibers waking each other into the LIFO slot comes here every kMaxLifoInARow + 1
-  // picks, at a fixed phase, and at those ticks takes the LIFO slot before looking here; checking
-  // at the multiples alone left the injector unread for as long as the pair ran.
-  if (injector_due()) {
-    last_injector_tick_ = tick_;
-    if (Fiber* f = sched_.injector().pop()) return f;
-  }
   if (Fiber* f = queue_.pop()) return f;
   // Refill from the injector: at most half a ring, so the rest stays for other processors.
   return refill_from_injector();
@@ -517,7 +520,7 @@ Fiber* Processor::find_work() noexcept {
   const uint32_t tick = ++tick_;
   Fiber* f = nullptr;
   // Common case first: no periodic duty this tick, and the LIFO slot or the ring has a fiber.
-  // (At least every kGlobalInterval ticks, next_local() decides whether the injector is due.)
+  // (Every kGlobalInterval ticks, next_local() looks whether the injector is due.)
   if ((tick & (kGlobalInterval - 1)) != 0 && (tick & (kEventInterval - 1)) != 0) {
     if (lifo_in_a_row_ < kMaxLifoInARow && (f = take_lifo()) != nullptr) {
       ++lifo_in_a_row_;
