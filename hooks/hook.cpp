@@ -132,6 +132,27 @@ __attribute__((noinline)) int get_errno() noexcept {
   asm volatile("" ::: "memory");
   return errno;
 }
+__attribute__((noinline)) void set_h_errno(int e) noexcept {  // likewise (__h_errno_location)
+  asm volatile("" ::: "memory");
+  h_errno = e;
+}
+
+// Name resolution's `call` on a helper thread. The errno and h_errno it leaves there (EAI_SYSTEM's
+// cause, a lookup's failure) are copied to the calling thread's, where the caller reads them.
+template <typename Call>
+auto resolve_offloaded(Call&& call) {
+  int err = 0;
+  int herr = 0;
+  auto r = fiber::blocking([&] {
+    auto v = call();
+    err = errno;
+    herr = h_errno;
+    return v;
+  });
+  set_errno(err);
+  set_h_errno(herr);
+  return r;
+}
 
 // -errno -> -1 with errno; `timeout_errno` replaces ETIMEDOUT (a SO_*TIMEO expiry).
 template <typename T>
@@ -883,13 +904,15 @@ unsigned sleep(unsigned s) {
 }
 
 // ---- name resolution: glibc's resolver makes its own socket/poll calls through internal
-// aliases no preload reaches, so the whole call goes to a blocking-offload helper thread.
+// aliases no preload reaches, so the whole call goes to a blocking-offload helper thread
+// (resolve_offloaded, above).
+
 
 int getaddrinfo(const char* node, const char* service, const struct addrinfo* hints, struct addrinfo** res) {
   auto* fn = lazy(real_getaddrinfo, "getaddrinfo");
   if (!may_park()) return fn(node, service, hints, res);
   try {
-    return fiber::blocking([&] { return fn(node, service, hints, res); });
+    return resolve_offloaded([&] { return fn(node, service, hints, res); });
   } catch (...) {
     set_errno(ECANCELED);
     return EAI_SYSTEM;
@@ -901,7 +924,7 @@ int getnameinfo(const struct sockaddr* sa, socklen_t salen, char* host, socklen_
   auto* fn = lazy(real_getnameinfo, "getnameinfo");
   if (!may_park()) return fn(sa, salen, host, hostlen, serv, servlen, flags);
   try {
-    return fiber::blocking([&] { return fn(sa, salen, host, hostlen, serv, servlen, flags); });
+    return resolve_offloaded([&] { return fn(sa, salen, host, hostlen, serv, servlen, flags); });
   } catch (...) {
     set_errno(ECANCELED);
     return EAI_SYSTEM;
@@ -912,9 +935,9 @@ struct hostent* gethostbyname(const char* name) {
   auto* fn = lazy(real_gethostbyname, "gethostbyname");
   if (!may_park()) return fn(name);
   try {
-    return fiber::blocking([&] { return fn(name); });
+    return resolve_offloaded([&] { return fn(name); });
   } catch (...) {
-    h_errno = TRY_AGAIN;
+    set_h_errno(TRY_AGAIN);
     return nullptr;
   }
 }
@@ -924,7 +947,7 @@ int gethostbyname_r(const char* name, struct hostent* ret, char* buf, size_t buf
   auto* fn = lazy(real_gethostbyname_r, "gethostbyname_r");
   if (!may_park()) return fn(name, ret, buf, buflen, result, h_errnop);
   try {
-    return fiber::blocking([&] { return fn(name, ret, buf, buflen, result, h_errnop); });
+    return resolve_offloaded([&] { return fn(name, ret, buf, buflen, result, h_errnop); });
   } catch (...) {
     if (h_errnop) *h_errnop = TRY_AGAIN;
     return ECANCELED;

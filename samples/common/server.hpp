@@ -132,8 +132,8 @@ class Server {
       if (failed) shut_down();
     });
     // The stopper thread uses this object: it must be finished before run() returns. If no
-    // signal came (the accept loop failed), wake it; if one came, it is finishing stop() or has
-    // exited (then the signal goes nowhere: it is blocked in every thread).
+    // signal came (the accept loop failed), wake it; if one came, it is finishing shut_down() or
+    // has exited (then the signal goes nowhere: it is blocked in every thread).
     {
       const std::lock_guard<std::mutex> lock(mu_);
       finished_ = true;
@@ -145,7 +145,7 @@ class Server {
 
  private:
   // The accept loop, in a fiber of block_on's group: each connection gets a fiber of its own.
-  // Returns true when it ended on an error rather than on stop().
+  // Returns true when it ended on an error rather than on shut_down().
   bool accept_connections(const std::function<void(fiber::net::Stream)>& handler) {
     for (;;) {
       auto conn = listener_.accept();
@@ -154,14 +154,14 @@ class Server {
         continue;
       }
       switch (conn.error()) {
-        case ECANCELED:  // stop()
+        case ECANCELED:  // shut_down()
           return false;
         case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
           // Out of descriptors or memory: wait for connections to close rather than spin.
           try {
             fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
           } catch (const fiber::Cancelled&) {
-            return false;  // stop() came during the back-off
+            return false;  // shut_down() came during the back-off
           }
           break;
         case ECONNABORTED: case EINTR:
@@ -173,13 +173,13 @@ class Server {
     }
   }
 
-  // One entry per live connection fiber, so that stop() can cancel them all.
+  // One entry per live connection fiber, so that shut_down() can cancel them all.
   void run_connection(const std::function<void(fiber::net::Stream)>& handler, fiber::net::Stream conn) {
     std::list<fiber::CancelToken>::iterator self;
     {
       const std::lock_guard<std::mutex> lock(mu_);
       self = connections_.insert(connections_.end(), fiber::this_fiber::cancel_token());
-      // A connection accepted just before stop() cancelled the others is cancelled here.
+      // A connection accepted just before shut_down() cancelled the others is cancelled here.
       if (stopping_) self->cancel();
     }
     struct Unregister {  // also when the handler throws
@@ -211,9 +211,11 @@ class Server {
   std::string name_;
   sigset_t stop_signals_{};
   fiber::net::Listener listener_;
-  // mu_ guards what stop() needs: the flag and every fiber to cancel, so that a fiber registering
-  // itself either is in stop()'s sweep or sees the flag. A std::mutex, not a fiber::Mutex: the
-  // critical sections are a few pointer moves and never park, and stop() runs on a plain thread.
+  // mu_ guards what shut_down() needs: the flags and every fiber to cancel, so that a fiber
+  // registering itself either is in shut_down()'s sweep or sees the flag. A std::mutex, not a
+  // fiber::Mutex: the critical sections are a few pointer moves and never park, and shut_down()
+  // runs on a plain thread (or on the accept loop's fiber, which then blocks only its processor
+  // for those few moves).
   std::mutex mu_;
   bool shutting_down_ = false;  // shut_down() has begun (on_stop may still be running)
   bool stopping_ = false;       // connections registering from now on cancel themselves

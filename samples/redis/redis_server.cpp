@@ -473,6 +473,7 @@ int main(int argc, char** argv) {
   // loop and the connections; it must be over before `store` goes.
   const int rc = server.run([&store](fiber::net::Stream conn) { serve(std::move(conn), store); },
                             [tok = expiry.cancel_token()] { tok.cancel(); });
+  expiry.cancel();  // already done by on_stop; again, so that join() cannot wait for ever
   try {
     expiry.join();
   } catch (const fiber::Cancelled&) {

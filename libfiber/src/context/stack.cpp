@@ -13,6 +13,7 @@
 #include <string>
 
 #include "fiber/error.hpp"
+#include "io/raw.hpp"
 
 namespace fiber::detail {
 namespace {
@@ -176,7 +177,8 @@ Stack StackAllocator::allocate(std::size_t size) {
     }
   }
   if (!s) {
-    throw ResourceError("fiber: cannot allocate a " + std::to_string(size) + "-byte stack: " + std::strerror(errno));
+    throw ResourceError("fiber: cannot allocate a " + std::to_string(size) + "-byte stack: " +
+                        std::strerror(raw::last_errno()));
   }
   return s;
 }
