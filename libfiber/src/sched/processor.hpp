@@ -45,7 +45,7 @@ class Processor {
  public:
   // Tuning (Tokio's defaults, rounded to powers of two for cheap masks).
   static constexpr uint32_t kEventInterval = 64;   // ticks between non-blocking I/O/timer polls
-  static constexpr uint32_t kGlobalInterval = 32;  // injector-first picks: 32 to 63 ticks apart
+  static constexpr uint32_t kGlobalInterval = 32;  // injector-first picks: 32 to 35 ticks apart
   static constexpr uint32_t kMaxLifoInARow = 3;    // LIFO picks before the queue gets a turn
 
   // Thread lifecycle, read by the monitor.
