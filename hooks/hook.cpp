@@ -907,7 +907,6 @@ unsigned sleep(unsigned s) {
 // aliases no preload reaches, so the whole call goes to a blocking-offload helper thread
 // (resolve_offloaded, above).
 
-
 int getaddrinfo(const char* node, const char* service, const struct addrinfo* hints, struct addrinfo** res) {
   auto* fn = lazy(real_getaddrinfo, "getaddrinfo");
   if (!may_park()) return fn(node, service, hints, res);

@@ -14,14 +14,13 @@
 // - run() accepts connections and runs `handler` in a fiber of its own for each one. The loop
 //   survives running out of descriptors (EMFILE/ENFILE): it backs off and retries once
 //   connections have closed, rather than spin or die.
-// - SIGTERM/SIGINT call `on_stop` (from a plain thread), then cancel the accept loop, which closes
-//   the listener, and every connection's fiber: its blocked read or write ends with -ECANCELED,
-//   so a handler that returns on I/O errors returns. run() returns 0 once every connection fiber
-//   has finished. If the accept loop fails for another reason, it says why on stderr and stops
-//   the same way (on_stop, from the accept loop's fiber, then every connection), and run()
-//   returns 1. Closing the listener before exit matters: a process killed with an accept still
-//   in its io_uring keeps the port listening for a moment after it is gone, and the next server
-//   to bind it fails.
+// - SIGTERM/SIGINT cancel the accept loop, which closes the listener, and every connection's
+//   fiber: its blocked read or write ends with -ECANCELED, so a handler that returns on I/O
+//   errors returns. run() returns 0 once every connection fiber has finished. If the accept loop
+//   fails for another reason, it says why on stderr and cancels the connections the same way,
+//   and run() returns 1. Closing the listener before exit matters: a process killed with an
+//   accept still in its io_uring keeps the port listening for a moment after it is gone, and the
+//   next server to bind it fails.
 #pragma once
 
 #include <fiber/fiber.hpp>
@@ -107,8 +106,7 @@ class Server {
   bool listening() const noexcept { return listener_.fd() >= 0; }
   uint16_t port() const noexcept { return listener_.port(); }
 
-  int run(std::function<void(fiber::net::Stream)> handler, std::function<void()> on_stop = {}) {
-    on_stop_ = std::move(on_stop);
+  int run(std::function<void(fiber::net::Stream)> handler) {
     std::thread stopper([this] {
       int sig = 0;
       sigwait(&stop_signals_, &sig);
@@ -116,7 +114,7 @@ class Server {
         const std::lock_guard<std::mutex> lock(mu_);
         if (finished_) return;  // woken by run() below: nothing to stop
       }
-      shut_down();
+      stop();
     });
     bool failed = false;
     fiber::block_on([&] {
@@ -129,11 +127,11 @@ class Server {
       listener_.close();
       // block_on waits for every connection fiber: without this, a failed accept loop would
       // leave run() waiting for the clients to hang up.
-      if (failed) shut_down();
+      if (failed) stop();
     });
     // The stopper thread uses this object: it must be finished before run() returns. If no
-    // signal came (the accept loop failed), wake it; if one came, it is finishing shut_down() or
-    // has exited (then the signal goes nowhere: it is blocked in every thread).
+    // signal came (the accept loop failed), wake it; if one came, it is finishing stop() or has
+    // exited (then the signal goes nowhere: it is blocked in every thread).
     {
       const std::lock_guard<std::mutex> lock(mu_);
       finished_ = true;
@@ -145,7 +143,7 @@ class Server {
 
  private:
   // The accept loop, in a fiber of block_on's group: each connection gets a fiber of its own.
-  // Returns true when it ended on an error rather than on shut_down().
+  // Returns true when it ended on an error rather than on stop().
   bool accept_connections(const std::function<void(fiber::net::Stream)>& handler) {
     for (;;) {
       auto conn = listener_.accept();
@@ -154,14 +152,14 @@ class Server {
         continue;
       }
       switch (conn.error()) {
-        case ECANCELED:  // shut_down()
+        case ECANCELED:  // stop()
           return false;
         case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
           // Out of descriptors or memory: wait for connections to close rather than spin.
           try {
             fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
           } catch (const fiber::Cancelled&) {
-            return false;  // shut_down() came during the back-off
+            return false;  // stop() came during the back-off
           }
           break;
         case ECONNABORTED: case EINTR:
@@ -173,13 +171,13 @@ class Server {
     }
   }
 
-  // One entry per live connection fiber, so that shut_down() can cancel them all.
+  // One entry per live connection fiber, so that stop() can cancel them all.
   void run_connection(const std::function<void(fiber::net::Stream)>& handler, fiber::net::Stream conn) {
     std::list<fiber::CancelToken>::iterator self;
     {
       const std::lock_guard<std::mutex> lock(mu_);
       self = connections_.insert(connections_.end(), fiber::this_fiber::cancel_token());
-      // A connection accepted just before shut_down() cancelled the others is cancelled here.
+      // A connection accepted just before stop() cancelled the others is cancelled here.
       if (stopping_) self->cancel();
     }
     struct Unregister {  // also when the handler throws
@@ -193,15 +191,9 @@ class Server {
     handler(std::move(conn));
   }
 
-  // on_stop, then cancels the accept loop and every connection. Once: from the signal thread, or
-  // from the accept loop when it failed, whichever comes first.
-  void shut_down() {
-    {
-      const std::lock_guard<std::mutex> lock(mu_);
-      if (shutting_down_) return;
-      shutting_down_ = true;
-    }
-    if (on_stop_) on_stop_();
+  // Cancels the accept loop and every connection: from the signal thread, or from the accept
+  // loop when it failed (both may come; cancelling twice is harmless).
+  void stop() {
     const std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     accept_loop_.cancel();
@@ -211,16 +203,14 @@ class Server {
   std::string name_;
   sigset_t stop_signals_{};
   fiber::net::Listener listener_;
-  // mu_ guards what shut_down() needs: the flags and every fiber to cancel, so that a fiber
-  // registering itself either is in shut_down()'s sweep or sees the flag. A std::mutex, not a
-  // fiber::Mutex: the critical sections are a few pointer moves and never park, and shut_down()
+  // mu_ guards what stop() needs: the flag and every fiber to cancel, so that a fiber
+  // registering itself either is in stop()'s sweep or sees the flag. A std::mutex, not a
+  // fiber::Mutex: the critical sections are a few pointer moves and never park, and stop()
   // runs on a plain thread (or on the accept loop's fiber, which then blocks only its processor
   // for those few moves).
   std::mutex mu_;
-  bool shutting_down_ = false;  // shut_down() has begun (on_stop may still be running)
-  bool stopping_ = false;       // connections registering from now on cancel themselves
-  bool finished_ = false;       // run() is done: the stopper thread just exits
-  std::function<void()> on_stop_;
+  bool stopping_ = false;  // connections registering from now on cancel themselves
+  bool finished_ = false;  // run() is done: the stopper thread just exits
   fiber::CancelToken accept_loop_;
   std::list<fiber::CancelToken> connections_;
 };

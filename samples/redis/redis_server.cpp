@@ -31,8 +31,8 @@
 // Start-up, the accept loop and the stop are samples/common/server.hpp's, as in the other
 // samples: it raises the RLIMIT_NOFILE soft limit, prints "redis_server: listening on
 // 127.0.0.1:PORT with N processors" on stderr, backs off when descriptors run out, and on
-// SIGTERM or SIGINT cancels the accept loop, the connections and (here) the expiry sweep, closes
-// the listener and ends the process with status 0.
+// SIGTERM or SIGINT cancels the accept loop and the connections, closes the listener, then main
+// cancels the expiry sweep and the process ends with status 0.
 #include <fiber/fiber.hpp>
 
 #include <algorithm>
@@ -469,11 +469,10 @@ int main(int argc, char** argv) {
   if (!server.listening()) return 1;
   Store store;
   auto expiry = fiber::spawn({.name = "expire"}, [&store] { expire_keys(store); });
-  // Stopping (a signal, or a failed accept loop) cancels the expiry sweep along with the accept
-  // loop and the connections; it must be over before `store` goes.
-  const int rc = server.run([&store](fiber::net::Stream conn) { serve(std::move(conn), store); },
-                            [tok = expiry.cancel_token()] { tok.cancel(); });
-  expiry.cancel();  // already done by on_stop; again, so that join() cannot wait for ever
+  const int rc = server.run([&store](fiber::net::Stream conn) { serve(std::move(conn), store); });
+  // The connections are gone (a signal, or a failed accept loop); the sweep must be over before
+  // `store` goes.
+  expiry.cancel();
   try {
     expiry.join();
   } catch (const fiber::Cancelled&) {

@@ -445,12 +445,7 @@ Fiber* Processor::next_local() noexcept {
       return f;
     }
   } else if (Fiber* f = take_lifo()) {
-    // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back. With
-    // nothing in the ring and the injector not due, nothing waits behind it: it runs on.
-    if (!injector_due() && !queue_.has_tasks()) {
-      lifo_in_a_row_ = 1;
-      return f;
-    }
+    // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back.
     queue_.push_back_or_overflow(f, sched_.injector());
   }
   lifo_in_a_row_ = 0;
