@@ -6,10 +6,12 @@
 // Usage: fiber-bench WORKLOAD [N]. Each run is a fresh process; times are taken inside the
 // process around the workload only, with the steady clock. "_1t" workloads and yield use one
 // processor, the others one per core (nproc). Beyond the peers' suite: idle_1m_compact (idle_1m
-// with compact stacks), mutex (a contended fiber::Mutex) and fileread (io::pread through the
-// ring against plain pread).
+// with compact stacks), mutex (a contended fiber::Mutex), fileread (io::pread through the ring
+// against plain pread), and the socket path without a client process: tcp_pingpong (round
+// trips, every read parks) and tcp_stream (bulk, most reads find data waiting).
 #include <fiber/fiber.hpp>
 
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -23,6 +25,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -266,6 +269,95 @@ void fileread(long n) {
   std::printf("workload=fileread impl=pread value=%.1f unit=ns/read extra=reads=%ld,block=4096,threads=1\n", plain_ns, n);
 }
 
+// tcp_pingpong (ours only): the socket path without a client process. kPairs TCP connections
+// over loopback, both ends on one processor; on each, one fiber sends 64 bytes and waits for
+// them back while the other echoes them, n round trips in all. Every read finds its socket
+// empty and parks, as a server's does between requests.
+void tcp_pingpong(long n) {
+  constexpr long kPairs = 32;
+  constexpr std::size_t kMsg = 64;
+  fiber::Scheduler s({.processors = 1, .name = "bench"});
+  std::atomic<long> bad{0};
+  double ns = 0;
+  fiber::block_on({.scheduler = &s}, [&] {
+    auto ln = fiber::net::Listener::listen("127.0.0.1:0");
+    if (!ln) fail("tcp_pingpong: cannot listen");
+    const std::string addr = "127.0.0.1:" + std::to_string(ln->port());
+    std::vector<fiber::net::Stream> near, far;
+    for (long i = 0; i < kPairs; ++i) {
+      auto c = fiber::net::Stream::dial(addr);
+      auto a = ln->accept();
+      if (!c || !a) fail("tcp_pingpong: cannot connect");
+      near.push_back(std::move(*c));
+      far.push_back(std::move(*a));
+    }
+    const long per = n / kPairs;
+    const auto t0 = Clock::now();
+    fiber::WaitGroup wg;
+    wg.add(2 * kPairs);
+    for (long i = 0; i < kPairs; ++i) {
+      go [&, i] {
+        char buf[kMsg] = {};
+        for (long k = 0; k < per; ++k) {
+          if (near[i].write_all(buf, kMsg) != kMsg || near[i].read_exact(buf, kMsg) != kMsg) ++bad;
+        }
+        wg.done();
+      };
+      go [&, i] {
+        char buf[kMsg];
+        for (long k = 0; k < per; ++k) {
+          if (far[i].read_exact(buf, kMsg) != kMsg || far[i].write_all(buf, kMsg) != kMsg) ++bad;
+        }
+        wg.done();
+      };
+    }
+    wg.wait();
+    ns = ns_since(t0) / static_cast<double>(per * kPairs);
+  });
+  if (bad.load() != 0) fail("tcp_pingpong: short or failed transfers");
+  std::printf("workload=tcp_pingpong impl=libfiber value=%.1f unit=ns/roundtrip extra=roundtrips=%ld,conns=%ld,msg=%zu,procs=1\n",
+              ns, (n / kPairs) * kPairs, kPairs, kMsg);
+}
+
+// tcp_stream (ours only): bulk transfer over one loopback TCP connection on one processor: one
+// fiber writes n MiB in 1 MiB writes, the other reads them in 16 KiB reads, so most reads find
+// data already waiting (the case io::recv must not slow down by polling first).
+void tcp_stream(long n) {
+  constexpr std::size_t kWrite = 1 << 20, kRead = 16 << 10;
+  fiber::Scheduler s({.processors = 1, .name = "bench"});
+  double ns = 0;
+  long got = 0;
+  bool ok = true;
+  fiber::block_on({.scheduler = &s}, [&] {
+    auto ln = fiber::net::Listener::listen("127.0.0.1:0");
+    if (!ln) fail("tcp_stream: cannot listen");
+    auto c = fiber::net::Stream::dial("127.0.0.1:" + std::to_string(ln->port()));
+    auto a = ln->accept();
+    if (!c || !a) fail("tcp_stream: cannot connect");
+    const auto t0 = Clock::now();
+    fiber::WaitGroup wg;
+    wg.add(2);
+    go [&] {
+      std::vector<char> buf(kWrite, 'x');
+      for (long k = 0; k < n && ok; ++k) ok = c->write_all(buf.data(), buf.size()) == static_cast<ssize_t>(kWrite);
+      c->shutdown(SHUT_WR);
+      wg.done();
+    };
+    go [&] {
+      std::vector<char> buf(kRead);
+      ssize_t r;
+      while ((r = a->read(buf.data(), buf.size())) > 0) got += r;
+      if (r < 0) ok = false;
+      wg.done();
+    };
+    wg.wait();
+    ns = ns_since(t0) / static_cast<double>(n);
+  });
+  if (!ok || got != n * static_cast<long>(kWrite)) fail("tcp_stream: short or failed transfer");
+  std::printf("workload=tcp_stream impl=libfiber value=%.1f unit=us/MiB extra=mib=%ld,read=%zu,procs=1\n", ns / 1000, n,
+              kRead);
+}
+
 struct Workload {
   long default_n;
   std::function<void(long)> run;
@@ -285,6 +377,8 @@ std::map<std::string, Workload> workloads() {
       {"idle_1m_compact", {1'000'000, [](long n) { idle("idle_1m_compact", n, fiber::compact_stack_size); }}},
       {"mutex", {2'000'000, [](long n) { mutex_contended(n); }}},
       {"fileread", {1'000'000, [](long n) { fileread(n); }}},
+      {"tcp_stream", {4000, [](long n) { tcp_stream(n); }}},
+      {"tcp_pingpong", {1'000'000, [](long n) { tcp_pingpong(n); }}},
   };
 }
 
