@@ -1,5 +1,6 @@
 // fiber::net (fiber/net.hpp) on loopback: Listener on port 0; Stream::write_all / read_exact
-// (fewer bytes when the peer closes first) and shutdown(SHUT_WR); connections refused and
+// (fewer bytes when the peer closes first) and shutdown(SHUT_WR); reads of data waiting and
+// still to come, and a Stream on a pipe; connections refused and
 // timing out; addresses that do not parse; close and cancel while accept or read wait; an accept
 // loop that survives running out of descriptors (EMFILE, in a child process); 1000 concurrent
 // connections against an echo server, every byte checked. Failing calls leak no descriptor.
@@ -266,6 +267,63 @@ TEST_CASE("net: shutdown(SHUT_WR) lets the peer see end of stream while it can s
         CHECK(pattern_mismatch(81, 0, in.data(), response) == kAllMatch);
       });
       team.join();
+    }
+  });
+}
+
+// A Stream made by dial or accept lets the kernel wait for data before its first receive
+// unless the last one left data behind (io.cpp, ring_op); both cases must return every byte.
+// A Stream handed some other descriptor must not: on a pipe that wait would never end.
+TEST_CASE("net: reads take data already waiting and data still to come; a Stream on a pipe fails with ENOTSOCK") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      StreamPair p = stream_pair();
+      Team team;
+      team.spawn(w, s, [&] {
+        // 64 KiB waiting, read 1000 bytes at a time: each read leaves data behind but the last.
+        const size_t len = 64 * 1024;
+        std::vector<uint8_t> out(len);
+        fill_pattern(90, 0, out.data(), len);
+        REQUIRE(p.client.write_all(out.data(), len, patience()) == static_cast<ssize_t>(len));
+        std::vector<uint8_t> in(len);
+        size_t got = 0;
+        while (got < len) {
+          const ssize_t r = p.server.read(in.data() + got, std::min<size_t>(1000, len - got), patience());
+          REQUIRE(r > 0);
+          got += static_cast<size_t>(r);
+        }
+        CHECK(pattern_mismatch(90, 0, in.data(), len) == kAllMatch);
+        // Now the socket is empty: a read waits for the bytes the other side sends later.
+        for (int i = 0; i < 3; ++i) {
+          CAPTURE(i);
+          std::atomic<int> started{0};
+          auto later = fiber::spawn({.scheduler = &s}, [&] {
+            started = 1;
+            fiber::this_fiber::sleep_for(5ms);
+            CHECK(p.client.write_all("ping", 4, patience()) == 4);
+          });
+          char buf[16];
+          CHECK(p.server.read(buf, sizeof buf, patience()) == 4);
+          CHECK(std::string(buf, 4) == "ping");
+          later.join();
+          CHECK(started == 1);
+        }
+      });
+      team.join();
+
+      // An empty pipe, its write end open: nothing will ever make it readable.
+      int fds[2];
+      REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+      team.spawn(w, s, [&] {
+        net::Stream pipe_stream(fds[0]);  // closes the read end when it goes
+        char c;
+        CHECK(pipe_stream.read(&c, 1, patience()) == -ENOTSOCK);
+        CHECK(pipe_stream.read_exact(&c, 1, patience()) == -ENOTSOCK);
+      });
+      team.join();
+      CHECK(::fcntl(fds[0], F_GETFD) == -1);
+      ::close(fds[1]);
     }
   });
 }

@@ -85,8 +85,9 @@ FIBER_API Result<Address> resolve(std::string_view host_port);
 class FIBER_API Stream {
  public:
   Stream() noexcept = default;
+  // Takes ownership of a connected stream socket.
   explicit Stream(int fd) noexcept : fd_(fd) {}
-  Stream(Stream&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Stream(Stream&& o) noexcept : fd_(std::exchange(o.fd_, -1)), made_here_(o.made_here_) {}
   Stream& operator=(Stream&& o) noexcept;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -96,7 +97,7 @@ class FIBER_API Stream {
   static Result<Stream> dial(std::string_view host_port, io::Deadline deadline = {});
 
   // Up to n bytes; 0 when the peer has closed; -errno.
-  ssize_t read(void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::recv(fd_, buf, n, 0, deadline); }
+  ssize_t read(void* buf, size_t n, io::Deadline deadline = {}) noexcept;
   ssize_t write(const void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::send(fd_, buf, n, 0, deadline); }
   // Exactly n bytes: returns n; fewer if the peer closed first (the count read); -errno on an
   // error (the bytes read before it are in buf, their count is lost).
@@ -116,7 +117,13 @@ class FIBER_API Stream {
   Result<Address> peer_address() const;
 
  private:
+  friend class Listener;
+  Stream(int fd, bool made_here) noexcept : fd_(fd), made_here_(made_here) {}
   int fd_ = -1;
+  // Made by dial() or accept(), so certainly a socket: read() may let the kernel wait for data
+  // before its first attempt (see libfiber/src/io/io.cpp, ring_op). A descriptor handed to
+  // Stream(int) is not trusted with that: on a pipe it would wait instead of failing (ENOTSOCK).
+  bool made_here_ = false;
 };
 
 // A listening TCP socket. Move-only; closes its descriptor when destroyed.

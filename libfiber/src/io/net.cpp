@@ -4,6 +4,7 @@
 #include "fiber/blocking.hpp"
 #include "fiber/error.hpp"
 #include "io/raw.hpp"
+#include "io/socket.hpp"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -147,6 +148,7 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   if (this != &o) {
     close();
     fd_ = std::exchange(o.fd_, -1);
+    made_here_ = o.made_here_;
   }
   return *this;
 }
@@ -156,7 +158,7 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
   if (!addr) return Result<Stream>::failure(addr.error(), addr.message());
   const int fd = socket_for(*addr);
   if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Stream::dial: socket: ") + std::strerror(-fd));
-  Stream s(fd);
+  Stream s(fd, true);
   const int rc = io::connect(fd, addr->get(), addr->len, deadline);
   if (rc < 0) {
     return Result<Stream>::failure(-rc, "fiber::net::Stream::dial " + quoted(host_port) + ": " + std::strerror(-rc));
@@ -165,11 +167,15 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
   return s;
 }
 
+ssize_t Stream::read(void* buf, size_t n, io::Deadline deadline) noexcept {
+  return made_here_ ? detail::recv_socket(fd_, buf, n, deadline) : io::recv(fd_, buf, n, 0, deadline);
+}
+
 ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept {
   auto* p = static_cast<char*>(buf);
   size_t got = 0;
   while (got < n) {
-    const ssize_t r = io::recv(fd_, p + got, n - got, 0, deadline);
+    const ssize_t r = read(p + got, n - got, deadline);
     if (r < 0) return r;
     if (r == 0) break;
     got += static_cast<size_t>(r);
@@ -261,7 +267,7 @@ Result<Stream> Listener::accept(io::Deadline deadline) {
   const int fd = io::accept(fd_, nullptr, nullptr, SOCK_CLOEXEC, deadline);
   if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Listener::accept: ") + std::strerror(-fd));
   nodelay(fd);
-  return Stream(fd);
+  return Stream(fd, true);
 }
 
 int Listener::close() noexcept { return close_owned(fd_); }

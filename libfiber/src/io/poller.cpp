@@ -122,6 +122,7 @@ unsigned UringPoller::reap() noexcept {
     } else if (tag != kIgnoreTag) {
       auto* op = reinterpret_cast<IoOp*>(static_cast<uintptr_t>(tag));
       op->res = cqe->res;
+      op->cqe_flags = cqe->flags;
       complete(op);
       ++woke;
     }

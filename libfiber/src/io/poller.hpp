@@ -36,6 +36,7 @@ struct IoOp {
   Waiter w;        // the wait; claimed by the completion, a deadline, a cancel or a close
   Waiter settle;   // the shielded wait for the completion after an early wake (uring)
   int32_t res = 0;  // the completion's result (uring); written by the home thread before `done`
+  uint32_t cqe_flags = 0;  // the completion's flags (uring); written with `res`
   // The completion (uring) or readiness (epoll) has arrived and the home thread will not touch
   // this op again. Release-stored by the home thread last; acquire-loaded by the fiber.
   std::atomic<bool> done{false};
@@ -105,6 +106,9 @@ class UringPoller final : public Poller {
   // Asks the kernel to cancel `op` (its completion then arrives with -ECANCELED, or its real
   // result if it won the race).
   void cancel(IoOp* op) noexcept;
+  // Whether socket receives may carry IORING_RECVSEND_POLL_FIRST (Linux 5.19): a
+  // ring the kernel set up with SINGLE_ISSUER (6.0) is new enough.
+  bool poll_first_ok() const noexcept { return (ring_.flags & IORING_SETUP_SINGLE_ISSUER) != 0; }
 
  private:
   io_uring_sqe* get_sqe() noexcept;

@@ -1,0 +1,16 @@
+// What net::Stream uses of io.cpp beyond the public fiber::io calls.
+#pragma once
+
+#include <sys/types.h>
+
+#include "fiber/io.hpp"
+
+namespace fiber::detail {
+
+// io::recv(fd, buf, n, 0, dl) for a descriptor known to be a socket: on the io_uring path it may
+// ask the kernel to wait for data before its first attempt (see io.cpp, ring_op). On anything
+// but a socket that would wait for readability and only then fail with ENOTSOCK, so callers
+// must know: net::Stream does for the sockets it made.
+ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept;
+
+}  // namespace fiber::detail
