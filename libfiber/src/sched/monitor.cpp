@@ -265,9 +265,15 @@ WatchdogStats Monitor::stats() const noexcept {
 void Monitor::run() {
   const std::string tname = (sched_.name() + "-mon").substr(0, 15);
   pthread_setname_np(pthread_self(), tname.c_str());
-  // While no processor runs a fiber nothing can block: sample less often, up to half the
-  // threshold (at most 10 ms) apart. Detection after such a pause takes at most that much longer.
-  const int64_t max_sleep = std::max(interval_ns_, std::min<int64_t>(threshold_ns_ / 2, 10'000'000));
+  // The pace. Every `interval` while some processor kept its fiber since the last sample: a
+  // stall may be starting, and it is timed from the first sample that saw it. While every
+  // processor running a fiber has switched since, nothing can be stalled yet: up to a quarter
+  // of the threshold apart (at most 10 ms), so a server whose fibers all keep switching does not
+  // wake this thread a thousand times a second. While no processor runs a fiber nothing can
+  // block: after 50 such samples, up to half the threshold (at most 10 ms). A stall is thus
+  // reported at most about a quarter of the threshold later than at a steady `interval`.
+  const int64_t switching_max = std::max(interval_ns_, std::min<int64_t>(threshold_ns_ / 4, 10'000'000));
+  const int64_t idle_max = std::max(interval_ns_, std::min<int64_t>(threshold_ns_ / 2, 10'000'000));
   int64_t sleep = interval_ns_;
   int quiet_rounds = 0;
   std::unique_lock lock(mu_);
@@ -275,22 +281,29 @@ void Monitor::run() {
     cv_.wait_for(lock, std::chrono::nanoseconds(sleep), [this] { return stop_; });
     if (stop_) break;
     lock.unlock();
-    const bool busy = sample(steady_now_ns());
+    const Pace pace = sample(steady_now_ns());
     lock.lock();
-    if (busy) {
-      quiet_rounds = 0;
-      sleep = interval_ns_;
-    } else if (++quiet_rounds >= 50) {
-      sleep = std::min(sleep * 2, max_sleep);
+    switch (pace) {
+      case Pace::Watching:
+        quiet_rounds = 0;
+        sleep = interval_ns_;
+        break;
+      case Pace::Switching:
+        quiet_rounds = 0;
+        sleep = std::min(sleep * 2, switching_max);
+        break;
+      case Pace::Idle:
+        if (++quiet_rounds >= 50) sleep = std::min(sleep * 2, idle_max);
+        break;
     }
   }
 }
 
-bool Monitor::sample(int64_t now) {
+Monitor::Pace Monitor::sample(int64_t now) {
   const uint32_t slots = sched_.processor_slots();
   const uint32_t base = sched_.base_processors();
   uint32_t running = 0, blocked = 0;
-  bool busy = false;
+  Pace pace = Pace::Idle;
   for (uint32_t i = 0; i < slots; ++i) {
     Processor& p = sched_.processor(i);
     Watch& w = watch_[i];
@@ -309,12 +322,13 @@ bool Monitor::sample(int64_t now) {
     // Acquire, then the current fiber: `f` is the fiber of switch `seq` or of a later one.
     const uint64_t seq = p.switches();
     const Fiber* f = p.current();
-    if (f != p.loop_fiber()) busy = true;
+    if (f != p.loop_fiber() && pace == Pace::Idle) pace = Pace::Switching;
     if (f == p.loop_fiber() || seq != w.seq || f != w.fiber) {
       // Switched since the last sample, or idle / between fibers: nothing can be blocked.
       w = Watch{.seq = seq, .fiber = f, .since = now};
       continue;
     }
+    pace = Pace::Watching;
     const int64_t ran = now - w.since;  // no switch for at least this long
     if (w.cpu_mark_at == 0 && ran >= threshold_ns_ / 4) {
       w.cpu_mark = p.thread_cpu_ns();
@@ -343,7 +357,7 @@ bool Monitor::sample(int64_t now) {
   if (running > 0 && blocked == running && running < sched_.max_processors() && !start_failed_ && work_pending()) {
     grow();
   }
-  return busy;
+  return pace;
 }
 
 // The fibers queued behind a stalled processor go where others can run them.

@@ -1,9 +1,10 @@
 // Monitor: the blocked-processor watchdog (DESIGN invariant 6; libgo's dispatcher thread, Go's
 // sysmon). One thread per scheduler; see libfiber/README.md, "Watchdog".
 //
-// Every `interval` it samples each running processor's switch counter and current fiber. A
-// processor whose counter has not moved for `threshold` while a fiber (not its loop) is current
-// is *stalled*; the monitor then, on every sample until it switches:
+// Every `interval` (less often while nothing can be stalled yet, see run()) it samples each
+// running processor's switch counter and current fiber. A processor whose counter has not moved
+// for `threshold` while a fiber (not its loop) is current is *stalled*; the monitor then, on
+// every sample until it switches:
 //   - moves the fiber in its LIFO slot to the injector (which wakes a sleeper), fires its expired
 //     timers (their fibers go to the injector too), and wakes a sleeper if its ring has fibers,
 //     so idle processors steal them;
@@ -111,8 +112,15 @@ class Monitor {
     std::string where;
   };
 
+  // What the last sample saw, which sets how soon the next one comes (see run()).
+  enum class Pace {
+    Idle,       // no processor was running a fiber
+    Switching,  // every processor running a fiber had switched since the sample before
+    Watching,   // some processor was running the fiber it ran at the sample before
+  };
+
   void run();
-  bool sample(int64_t now);  // one round; true if any processor was running a fiber
+  Pace sample(int64_t now);  // one round
   void rescue(Processor& p, int64_t now);
   bool decide(Processor& p, Watch& w, int64_t now, std::string& where);
   bool identify(Processor& p, const Watch& w, Culprit& c);
