@@ -275,6 +275,7 @@ void fileread(long n) {
 // empty and parks, as a server's does between requests.
 void tcp_pingpong(long n) {
   constexpr long kPairs = 32;
+  if (n < kPairs) fail("tcp_pingpong: N must be at least 32 (one round trip per connection)");
   constexpr std::size_t kMsg = 64;
   fiber::Scheduler s({.processors = 1, .name = "bench"});
   std::atomic<long> bad{0};
@@ -321,7 +322,7 @@ void tcp_pingpong(long n) {
 
 // tcp_stream (ours only): bulk transfer over one loopback TCP connection on one processor: one
 // fiber writes n MiB in 1 MiB writes, the other reads them in 16 KiB reads, so most reads find
-// data already waiting (the case io::recv must not slow down by polling first).
+// data already waiting (the case Stream::read must not slow down by polling first).
 void tcp_stream(long n) {
   constexpr std::size_t kWrite = 1 << 20, kRead = 16 << 10;
   fiber::Scheduler s({.processors = 1, .name = "bench"});
@@ -347,7 +348,10 @@ void tcp_stream(long n) {
       std::vector<char> buf(kRead);
       ssize_t r;
       while ((r = a->read(buf.data(), buf.size())) > 0) got += r;
-      if (r < 0) ok = false;
+      if (r < 0) {
+        ok = false;
+        a->shutdown(SHUT_RDWR);  // the writer's next write fails rather than waiting for room
+      }
       wg.done();
     };
     wg.wait();

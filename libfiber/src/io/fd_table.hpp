@@ -28,8 +28,9 @@ struct FdSlot {
   WaitQueue closers;        // GUARDED_BY(lock): io::close() calls waiting for `ops` to drain
   // The last ring receive on this descriptor left data in the socket (IORING_CQE_F_SOCK_NONEMPTY),
   // so the next one tries at once instead of waiting for readiness first (see io.cpp, ring_op).
-  // A hint, not guarded: fibers receiving on one socket at once may leave it stale, which costs
-  // one wasted attempt or one poll round, never data. Relaxed.
+  // A hint, not guarded: fibers receiving on one socket at once may leave it stale, and so may a
+  // descriptor closed without io::close (which clears it), which costs one wasted attempt or one
+  // poll round, never data. Relaxed.
   std::atomic<bool> recv_backlog{false};
 };
 

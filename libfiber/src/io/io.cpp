@@ -166,9 +166,8 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
   io_uring_sqe* sqe = ring.sqe_for(&op);
   prep(sqe);
   FdSlot* slot = guard.slot();
-  if (recv && ring.poll_first_ok() && (slot == nullptr || !slot->recv_backlog.load(std::memory_order_relaxed))) {
-    sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
-  }
+  const bool backlog = recv && slot != nullptr && slot->recv_backlog.load(std::memory_order_relaxed);
+  if (recv && !backlog && ring.poll_first_ok()) sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
   const WakeReason why = park_on(op, dl);
   if (why != WakeReason::Notified) {
     settle(op, home);
@@ -176,7 +175,8 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
     if (op.res == -ECANCELED || op.res == -EINTR) return early_error(op, why);
   }
   if (recv && slot != nullptr) {
-    slot->recv_backlog.store(op.res > 0 && (op.cqe_flags & IORING_CQE_F_SOCK_NONEMPTY) != 0, std::memory_order_relaxed);
+    const bool left = op.res > 0 && (op.cqe_flags & IORING_CQE_F_SOCK_NONEMPTY) != 0;
+    if (left != backlog) slot->recv_backlog.store(left, std::memory_order_relaxed);  // the line stays clean
   }
   return op.res;
 }
@@ -327,8 +327,6 @@ ssize_t send_now(int fd, const void* buf, size_t n, int flags) noexcept {
   return raw::send(fd, buf, n, flags | MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
-}  // namespace
-
 // io::recv; `socket`: the caller knows fd is a socket (recv_socket).
 ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, bool socket) noexcept {
   if (bad_len(n)) return -EINVAL;
@@ -345,7 +343,10 @@ ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, 
   return raw::recv(fd, buf, n, flags);
 }
 
-ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept { return recv_on(fd, buf, n, 0, dl, true); }
+}  // namespace
+
+// A zero-length receive returns at once on an empty socket; polling first would make it wait.
+ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept { return recv_on(fd, buf, n, 0, dl, n > 0); }
 }  // namespace fiber::detail
 
 namespace fiber::io {
@@ -600,6 +601,7 @@ int close(int fd) noexcept {
     // once, and an operation (or close) on that one must not find the slot still closing.
     const int rc = static_cast<int>(raw::close(fd));
     slot->closing = false;
+    slot->recv_backlog.store(false, std::memory_order_relaxed);  // the number's next descriptor starts afresh
     return rc;
   }
 }
