@@ -87,7 +87,7 @@ class FIBER_API Stream {
   Stream() noexcept = default;
   // Takes ownership of a connected stream socket.
   explicit Stream(int fd) noexcept : fd_(fd) {}
-  Stream(Stream&& o) noexcept : fd_(std::exchange(o.fd_, -1)), made_here_(o.made_here_) {}
+  Stream(Stream&& o) noexcept : fd_(std::exchange(o.fd_, -1)), known_socket_(o.known_socket_) {}
   Stream& operator=(Stream&& o) noexcept;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -118,12 +118,12 @@ class FIBER_API Stream {
 
  private:
   friend class Listener;
-  Stream(int fd, bool made_here) noexcept : fd_(fd), made_here_(made_here) {}
+  Stream(int fd, bool known_socket) noexcept : fd_(fd), known_socket_(known_socket) {}
   int fd_ = -1;
   // Made by dial() or accept(), so certainly a socket: read() may let the kernel wait for data
   // before its first attempt (see libfiber/src/io/io.cpp, ring_op). A descriptor handed to
   // Stream(int) is not trusted with that: on a pipe it would wait instead of failing (ENOTSOCK).
-  bool made_here_ = false;
+  bool known_socket_ = false;
 };
 
 // A listening TCP socket. Move-only; closes its descriptor when destroyed.

@@ -144,11 +144,10 @@ int precheck(const Fiber* f, const io::Deadline& dl) noexcept {
 // Receives from a known socket (`recv`: net::Stream's, see recv_socket): the kernel first
 // attempts a receive and arms a poll only if it would block. A receive usually finds its socket
 // empty (a server between requests, a client awaiting a reply), and then that attempt is wasted
-// work: a socket lock and unlock, 2-3% of a loopback round trip (tools/bench/run tcp_pingpong).
-// So it asks for the poll first
-// (IORING_RECVSEND_POLL_FIRST) unless the last receive on the descriptor left data behind
-// (IORING_CQE_F_SOCK_NONEMPTY, kept in its FdSlot): a bulk reader keeps receiving at once
-// (tcp_stream: with the poll always first it is 30% slower). Not for io::recv: on a descriptor
+// work: a socket lock and unlock, 1-2% of a loopback round trip (tools/bench/run tcp_pingpong).
+// So it asks for the poll first (IORING_RECVSEND_POLL_FIRST) unless the last receive on the
+// descriptor left data behind (IORING_CQE_F_SOCK_NONEMPTY, kept in its FdSlot): a bulk reader
+// keeps receiving at once (tcp_stream: with the poll always first it is 30% slower). Not for io::recv: on a descriptor
 // that is not a socket the kernel checks for readability before it fails with ENOTSOCK, so an
 // empty pipe would wait forever.
 template <typename Prep>
@@ -345,8 +344,7 @@ ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, 
 
 }  // namespace
 
-// A zero-length receive returns at once on an empty socket; polling first would make it wait.
-ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept { return recv_on(fd, buf, n, 0, dl, n > 0); }
+ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept { return recv_on(fd, buf, n, 0, dl, true); }
 }  // namespace fiber::detail
 
 namespace fiber::io {

@@ -148,7 +148,7 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   if (this != &o) {
     close();
     fd_ = std::exchange(o.fd_, -1);
-    made_here_ = o.made_here_;
+    known_socket_ = o.known_socket_;
   }
   return *this;
 }
@@ -168,7 +168,7 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
 }
 
 ssize_t Stream::read(void* buf, size_t n, io::Deadline deadline) noexcept {
-  return made_here_ ? detail::recv_socket(fd_, buf, n, deadline) : io::recv(fd_, buf, n, 0, deadline);
+  return known_socket_ ? detail::recv_socket(fd_, buf, n, deadline) : io::recv(fd_, buf, n, 0, deadline);
 }
 
 ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept {
