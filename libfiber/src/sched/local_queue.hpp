@@ -105,7 +105,7 @@ class LocalQueue {
     for (;;) {
       const QueueHead h = QueueHead::unpack(inner_->head.load(std::memory_order_acquire));
       const uint32_t tail = inner_->tail.load(std::memory_order_relaxed);  // we are its only writer
-      if (tail - h.steal < Capacity) {
+      if (tail - h.steal < Capacity) [[likely]] {
         inner_->buffer[tail & kMask].store(task, std::memory_order_relaxed);
         // Synchronises with the acquire load of tail in steal_into2 and in pop.
         inner_->tail.store(tail + 1, std::memory_order_release);
@@ -235,7 +235,7 @@ class LocalQueue {
 
  private:
   template <typename Overflow>
-  bool push_overflow(T* task, uint32_t head, [[maybe_unused]] uint32_t tail, Overflow& overflow) noexcept {
+  [[gnu::noinline]] bool push_overflow(T* task, uint32_t head, [[maybe_unused]] uint32_t tail, Overflow& overflow) noexcept {
     constexpr uint32_t n = Capacity / 2;
     assert(tail - head == Capacity && "push_overflow: queue is not full");
     const uint64_t prev = QueueHead{head, head}.pack();

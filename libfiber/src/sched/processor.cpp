@@ -199,8 +199,10 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   return now;
 }
 
-// Runs on the context that was switched to, finishing the switch for the one that left.
-Processor* Processor::complete_switch(Transfer t) noexcept {
+// Runs on the context that was switched to, finishing the switch for the one that left. Inline
+// in switch_to and fiber_main, each action out of line: one function holding every case saved
+// and restored six registers on every switch for the sake of the rare ones.
+[[gnu::always_inline]] inline Processor* Processor::complete_switch(Transfer t) noexcept {
   const SwitchMsg m = *static_cast<SwitchMsg*>(t.data);  // copy: `from`'s stack may be reused below
   m.from->ctx = t.fctx;
   switch (m.action) {
@@ -209,16 +211,9 @@ Processor* Processor::complete_switch(Transfer t) noexcept {
     case After::Yield:
       m.p->schedule_yield(m.from);
       break;
-    case After::Park: {
-      FiberState expected = FiberState::Parking;
-      if (!m.from->state.compare_exchange_strong(expected, FiberState::Parked, std::memory_order_acq_rel)) {
-        // A waker came while it was still switching away and left the enqueueing to us.
-        if (expected != FiberState::Notified) m.from->bad_transition(expected, FiberState::Parking, FiberState::Parked);
-        m.from->state.store(FiberState::Runnable, std::memory_order_release);
-        m.p->schedule_local(m.from);
-      }
+    case After::Park:
+      m.p->publish_parked(m.from);
       break;
-    }
     case After::Finish:
       m.p->release_finished(m.from);
       break;
@@ -227,6 +222,16 @@ Processor* Processor::complete_switch(Transfer t) noexcept {
       break;
   }
   return m.p;
+}
+
+// `f` has switched away to park: it is Parked from now on, unless a waker came while it was
+// still switching away and left the enqueueing to us.
+void Processor::publish_parked(Fiber* f) noexcept {
+  FiberState expected = FiberState::Parking;
+  if (f->state.compare_exchange_strong(expected, FiberState::Parked, std::memory_order_acq_rel)) [[likely]] return;
+  if (expected != FiberState::Notified) f->bad_transition(expected, FiberState::Parking, FiberState::Parked);
+  f->state.store(FiberState::Runnable, std::memory_order_release);
+  schedule_local(f);
 }
 
 void Processor::fiber_main(Transfer t) noexcept {
@@ -512,28 +517,36 @@ bool Processor::maintenance() noexcept {
   return any;
 }
 
-Fiber* Processor::find_work() noexcept {
+// Inline, and only the common case: with no periodic duty this tick and no search going on, the
+// LIFO slot or the ring has a fiber. Everything else is find_work_slow(), out of line, so the
+// fast path of a yield or a park saves and restores no registers for the rare ones.
+[[gnu::always_inline]] inline Fiber* Processor::find_work() noexcept {
   const uint32_t tick = ++tick_;
-  Fiber* f = nullptr;
-  // Common case first: no periodic duty this tick, and the LIFO slot or the ring has a fiber.
-  if ((tick & (kEventInterval - 1)) != 0 && !injector_due()) {
-    if (lifo_in_a_row_ < kMaxLifoInARow && (f = take_lifo()) != nullptr) {
-      ++lifo_in_a_row_;
-    } else if (lifo_.load(std::memory_order_relaxed) == nullptr) {
-      lifo_in_a_row_ = 0;
-      f = queue_.pop();
+  if ((tick & (kEventInterval - 1)) != 0 && !injector_due() && !searching_) [[likely]] {
+    if (lifo_in_a_row_ < kMaxLifoInARow) {
+      if (Fiber* f = take_lifo()) {
+        ++lifo_in_a_row_;
+        return f;
+      }
     }
-    if (f != nullptr) __builtin_prefetch(f);
+    if (lifo_.load(std::memory_order_relaxed) == nullptr) {
+      lifo_in_a_row_ = 0;
+      if (Fiber* f = queue_.pop()) return f;
+    }
   }
-  if (f == nullptr) f = find_work_slow();
-  // A searcher stops searching when it has something to run, wherever that came from (its own
-  // queue, the injector, a victim). Until then the idle state counts it as looking for work
-  // and wakes nobody else.
+  return find_work_slow();
+}
+
+// A searcher stops searching when it has something to run, wherever that came from (its own
+// queue, the injector, a victim). Until then the idle state counts it as looking for work and
+// wakes nobody else.
+Fiber* Processor::find_work_slow() noexcept {
+  Fiber* f = find_work_slow_pick();
   if (f != nullptr && searching_) [[unlikely]] found_work_while_searching();
   return f;
 }
 
-Fiber* Processor::find_work_slow() noexcept {
+Fiber* Processor::find_work_slow_pick() noexcept {
   if ((tick_ & (kEventInterval - 1)) == 0) maintenance();
   if (Fiber* f = next_local()) return f;
   if (Fiber* f = steal_work()) return f;

@@ -115,7 +115,7 @@ class Processor {
 
   // ---- Executed only by the owner thread (fiber or loop context).
   void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
-  void schedule_yield(Fiber* f) noexcept;  // a yielding fiber: tail of the queue
+  [[gnu::noinline]] void schedule_yield(Fiber* f) noexcept;  // a yielding fiber: tail of the queue
 
   // ---- Any thread.
   void push_inbox(Fiber* f) noexcept;  // fibers pinned here, woken elsewhere
@@ -133,14 +133,16 @@ class Processor {
   static Processor* switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept;
   static Processor* complete_switch(Transfer t) noexcept;
   static void fiber_main(Transfer t) noexcept;
-  void release_finished(Fiber* f) noexcept;
+  [[gnu::noinline]] void release_finished(Fiber* f) noexcept;
+  [[gnu::noinline]] void publish_parked(Fiber* f) noexcept;
 
   void thread_main();
   void run(Fiber* f) noexcept;               // from the loop context
   bool prepare_first_run(Fiber* f) noexcept;  // stack + context for a fiber's first run
   Fiber* find_work() noexcept;
   Fiber* next_to_run_after(const Fiber* self) noexcept;  // yield/park/move/finish: see there
-  Fiber* find_work_slow() noexcept;
+  [[gnu::noinline]] Fiber* find_work_slow() noexcept;
+  Fiber* find_work_slow_pick() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
   // kGlobalInterval picks have passed since next_local() last read the injector first.
