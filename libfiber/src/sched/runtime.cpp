@@ -4,12 +4,14 @@
 #include "sched/runtime.hpp"
 
 #include <sys/mman.h>
+#if defined(FIBER_ASAN)
+#include <sanitizer/lsan_interface.h>
+#endif
 #include <unistd.h>
 
 #include <atomic>
 #include <limits>
 #include <mutex>
-#include <vector>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -73,13 +75,13 @@ std::size_t task_offset(std::size_t task_align) noexcept {
 }
 
 // Control blocks (Fiber + task) of up to kBlockSize bytes are slots carved from slabs. Freed
-// slots go to a per-thread free list, which spills half of itself to a global list (one lock
-// per kSpill slots) when it grows past kMaxCached, and refills from it in batches. So a fiber
+// slots go to a per-thread cache, which hands batches of kSpill slots to a global list (one lock
+// per kSpill slots) and takes them back from it. So a fiber
 // costs two list operations, whether fibers churn (spawn, run, finish) or a million are alive at
 // once; slabs are kept for reuse, never given back (like stacks, see context/stack.hpp). Larger
 // control blocks (big captures) use malloc.
 //
-// A thread's first slab is 96 KiB from malloc. Past that it is spawning in bulk (fibers queue
+// Slabs are mmap'd. A thread's first is 96 KiB. Past that it is spawning in bulk (fibers queue
 // faster than they finish), and each further slab is 2 MiB, aligned and advised for transparent
 // huge pages: with 4 KiB pages, first touches of fresh slab memory were a page fault per ten
 // control blocks, about 40% of spawn_1t's time. Where huge pages are off or none is free, the
@@ -88,80 +90,119 @@ std::size_t task_offset(std::size_t task_align) noexcept {
 constexpr std::size_t kBlockSize = 384;
 constexpr std::size_t kSlabBytes = 96 * 1024;
 constexpr std::size_t kHugeSlabBytes = std::size_t{2} << 20;
-constexpr std::size_t kMaxCached = 4096;
-constexpr std::size_t kSpill = kMaxCached / 2;
+constexpr std::size_t kSpill = 2048;
 
 struct FreeSlot {
   FreeSlot* next;
+  // In the first slot of a batch on the global list only:
+  FreeSlot* next_batch;
+  std::size_t batch_count;  // kSpill, fewer for a thread's leftovers at its exit
 };
 
 struct GlobalSlots {
   std::mutex mu;
-  std::vector<FreeSlot*> batches;  // GUARDED_BY(mu): each a list of kSpill slots
+  FreeSlot* batches = nullptr;  // GUARDED_BY(mu): linked through next_batch
 };
 GlobalSlots& global_slots() {
   static GlobalSlots* g = new GlobalSlots();  // never destroyed: threads may free at exit
   return *g;
 }
 
+// A thread's free slots, in two lists. Frees go to `freed`, and allocations take from it first:
+// the slot freed last is the warmest. Once `freed` holds kSpill slots it goes to the global list
+// whole. When `freed` is empty, allocations take from `head`, a batch taken from the global list.
+// So a thread caches fewer than 2 * kSpill slots, and no step walks a list: a walk of kSpill
+// slots freed by another thread was a cache miss per slot.
 struct SlotCache {
-  FreeSlot* head = nullptr;
-  std::size_t count = 0;
+  FreeSlot* freed = nullptr;  // freed by this thread
+  std::size_t freed_count = 0;
+  FreeSlot* head = nullptr;   // the rest of a batch from the global list
+  std::size_t count = 0;      // slots in `head`
   char* bump = nullptr;  // the unused rest of this thread's current slab
   char* bump_end = nullptr;
   bool carved_one = false;  // this thread has had a slab: the next ones are huge
 
-  ~SlotCache() {  // thread exit: hand the cached slots to the global list
-    while (count >= kSpill) spill();
-    if (head) {
-      std::lock_guard lock(global_slots().mu);
-      global_slots().batches.push_back(head);  // a short batch is fine
+  ~SlotCache() {  // thread exit: hand the cached slots to the global list (short batches are fine)
+    if (head) give(head, count);
+    if (freed) give(freed, freed_count);
+  }
+  static void give(FreeSlot* batch, std::size_t n) noexcept {
+    GlobalSlots& g = global_slots();
+    batch->batch_count = n;
+    std::lock_guard lock(g.mu);
+    batch->next_batch = g.batches;
+    g.batches = batch;
+  }
+  void free(FreeSlot* n) noexcept {
+    n->next = freed;
+    freed = n;
+    if (++freed_count == kSpill) {
+      give(freed, kSpill);
+      freed = nullptr;
+      freed_count = 0;
     }
   }
-  void spill() noexcept {
-    FreeSlot* first = head;
-    FreeSlot* last = head;
-    for (std::size_t i = 1; i < kSpill; ++i) last = last->next;
-    head = last->next;
-    last->next = nullptr;
-    count -= kSpill;
-    std::lock_guard lock(global_slots().mu);
-    global_slots().batches.push_back(first);
+  // Throws ResourceError when no memory can be had.
+  void* allocate() {
+    if (FreeSlot* n = freed) {
+      freed = n->next;
+      --freed_count;
+      return n;
+    }
+    if (head == nullptr && bump == bump_end && !refill()) new_slab();
+    if (FreeSlot* n = head) {
+      head = n->next;
+      --count;
+      return n;
+    }
+    void* p = bump;
+    bump += kBlockSize;
+    return p;
   }
+  // `head` is empty: a batch from the global list. False if there is none.
   bool refill() noexcept {
-    std::lock_guard lock(global_slots().mu);
-    if (global_slots().batches.empty()) return false;
-    head = global_slots().batches.back();
-    global_slots().batches.pop_back();
-    count = 0;
-    for (FreeSlot* n = head; n; n = n->next) ++count;
+    GlobalSlots& g = global_slots();
+    std::lock_guard lock(g.mu);
+    if (!g.batches) return false;
+    head = g.batches;
+    count = head->batch_count;
+    g.batches = head->next_batch;
     return true;
   }
   // Throws ResourceError when no memory can be had.
   void new_slab() {
-    char* slab = carved_one ? map_huge_slab() : nullptr;
     std::size_t bytes = kHugeSlabBytes;
+    char* slab = carved_one ? map_slab(bytes) : nullptr;
     if (slab == nullptr) {
-      slab = static_cast<char*>(std::malloc(kSlabBytes));
       bytes = kSlabBytes;
+      slab = map_slab(bytes);
       if (slab == nullptr) throw ResourceError("fiber::spawn: out of memory for fiber control blocks");
     }
     carved_one = true;
     bump = slab;
     bump_end = slab + bytes / kBlockSize * kBlockSize;  // whole slots: alloc tests bump == bump_end
   }
-  // A 2 MiB-aligned 2 MiB mapping advised for huge pages; nullptr if it cannot be had.
-  static char* map_huge_slab() noexcept {
-    const std::size_t len = 2 * kHugeSlabBytes;  // room to align, the ends trimmed off
-    // Reserved (no MAP_NORESERVE): under strict overcommit a refusal is a failed mmap here, and
-    // malloc's fallback, not a signal at first touch.
+  // A mapping of `bytes`; kHugeSlabBytes ones 2 MiB-aligned and advised for huge pages. nullptr
+  // if it cannot be had. Reserved (no MAP_NORESERVE): under strict overcommit a refusal is a
+  // failed mmap here, not a signal at first touch.
+  static char* map_slab(std::size_t bytes) noexcept {
+    const bool huge = bytes == kHugeSlabBytes;
+    const std::size_t len = huge ? 2 * bytes : bytes;  // room to align, the ends trimmed off
     void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return nullptr;
-    const auto lo = reinterpret_cast<uintptr_t>(p);
-    const uintptr_t slab = (lo + kHugeSlabBytes - 1) & ~(kHugeSlabBytes - 1);
-    if (slab != lo) munmap(p, slab - lo);
-    if (lo + len != slab + kHugeSlabBytes) munmap(reinterpret_cast<void*>(slab + kHugeSlabBytes), lo + len - slab - kHugeSlabBytes);
-    madvise(reinterpret_cast<void*>(slab), kHugeSlabBytes, MADV_HUGEPAGE);  // best effort
+    auto slab = reinterpret_cast<uintptr_t>(p);
+    if (huge) {
+      const uintptr_t lo = slab;
+      slab = (lo + bytes - 1) & ~(bytes - 1);
+      if (slab != lo) munmap(p, slab - lo);
+      if (lo + len != slab + bytes) munmap(reinterpret_cast<void*>(slab + bytes), lo + len - slab - bytes);
+      madvise(reinterpret_cast<void*>(slab), bytes, MADV_HUGEPAGE);  // best effort
+    }
+#if defined(FIBER_ASAN)
+    // The leak checker scans malloc'd memory and roots only: control blocks hold the callables'
+    // captures, and the free lists run through them.
+    __lsan_register_root_region(reinterpret_cast<void*>(slab), bytes);
+#endif
     return reinterpret_cast<char*>(slab);
   }
 };
@@ -176,17 +217,7 @@ __attribute__((noinline)) void* allocate_block(std::size_t size) {
     if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
     return p;
   }
-  SlotCache& c = t_slots;
-  if (c.head == nullptr && c.bump == c.bump_end && !c.refill()) c.new_slab();
-  if (c.head) {
-    FreeSlot* n = c.head;
-    c.head = n->next;
-    --c.count;
-    return n;
-  }
-  void* p = c.bump;
-  c.bump += kBlockSize;
-  return p;
+  return t_slots.allocate();
 }
 
 __attribute__((noinline)) void free_block(void* p, bool pooled) noexcept {
@@ -194,11 +225,7 @@ __attribute__((noinline)) void free_block(void* p, bool pooled) noexcept {
     std::free(p);
     return;
   }
-  SlotCache& c = t_slots;
-  auto* n = static_cast<FreeSlot*>(p);
-  n->next = c.head;
-  c.head = n;
-  if (++c.count > kMaxCached) c.spill();
+  t_slots.free(static_cast<FreeSlot*>(p));
 }
 
 void destroy_fiber(Fiber* f) noexcept {
