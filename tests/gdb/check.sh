@@ -36,7 +36,10 @@ cleanup() {
 trap cleanup EXIT
 
 # ---- start the program and wait until every fiber is where it should be
-"$PROGRAM" >"$WORK/out" 2>"$WORK/err" &
+# FIBER_GUARDED_STACKS: PROT_NONE guard pages, not guard markers. gdb's generate-core-file
+# reads each mapping through /proc/PID/mem, a read that touches a guard marker fails, and gdb
+# leaves the stacks around it out of the core (libfiber/README.md, "Stacks").
+FIBER_GUARDED_STACKS=1024 "$PROGRAM" >"$WORK/out" 2>"$WORK/err" &
 PID=$!
 for _ in $(seq 200); do
   grep -qx ready "$WORK/out" && break

@@ -1,9 +1,13 @@
 // Fiber stacks: mmap'd, lazily committed, recycled.
 //
 // Three kinds, chosen per allocation:
-//   Guarded   - its own mapping with a PROT_NONE guard page below it (two kernel mappings).
-//               Used while the mapping budget allows (see StackAllocator::guarded_limit()).
-//   Unguarded - carved from large shared mappings, no guard page: the fallback once the budget
+//   Guarded   - a guard page below it. Where the kernel has guard markers (MADV_GUARD_INSTALL,
+//               Linux 6.13), every stack of a page or more: carved from large shared mappings,
+//               the guard pages of a new mapping's stacks installed by one process_madvise call,
+//               no mapping per stack. Elsewhere (or with FIBER_GUARDED_STACKS set), its own
+//               mapping with a PROT_NONE guard page (two kernel mappings, an mmap and an
+//               mprotect), used while the mapping budget allows (StackAllocator::guarded_limit()).
+//   Unguarded - carved from large shared mappings, no guard page: the fallback once that budget
 //               is spent, so a million fibers fit under vm.max_map_count = 65530.
 //   Compact   - below a page, packed back to back in shared mappings, never guarded: the
 //               documented option for fibers known to need little stack.
@@ -57,6 +61,7 @@ struct StackStats {
   std::size_t unguarded_live = 0;  // unguarded + compact stacks handed out
   std::size_t mappings = 0;        // kernel mappings this allocator holds (approximate)
   std::size_t pooled = 0;          // stacks idle in the global pool
+  bool guard_markers = false;      // guard pages are markers: every stack of a page or more is guarded
 };
 
 // Process-wide. Thread-safe.
@@ -77,10 +82,12 @@ class StackAllocator {
   StackAllocator();
   Stack allocate_guarded(std::size_t size);
   Stack carve_locked(std::size_t size);  // REQUIRES(mu_)
+  Stack carve_marked_locked(std::size_t size);  // REQUIRES(mu_)
   void release_locked(Stack s) noexcept; // REQUIRES(mu_)
 
   std::size_t page_ = 4096;
   std::size_t guarded_limit_ = 0;  // immutable after construction
+  bool guard_markers_ = false;     // GUARDED_BY(mu_) after construction: cleared if the kernel refuses
 
   std::mutex mu_;
   // Everything below is GUARDED_BY(mu_).
@@ -92,6 +99,7 @@ class StackAllocator {
     char* end = nullptr;
   };
   std::unordered_map<std::size_t, Chunk> chunks_;                 // per size class
+  std::unordered_map<std::size_t, Chunk> marked_chunks_;          // per size class, guard markers
   std::unordered_map<std::size_t, std::vector<Stack>> free_;      // unguarded/compact, per class
   std::unordered_map<std::size_t, std::vector<Stack>> free_guarded_;  // per class
   std::size_t pooled_guarded() const noexcept {  // REQUIRES(mu_)
