@@ -82,14 +82,12 @@ std::size_t task_offset(std::size_t task_align) noexcept {
 // control blocks (big captures) use malloc.
 //
 // Slabs are mmap'd. A thread's first is 96 KiB. Past that it is spawning in bulk (fibers queue
-// faster than they finish), and each further slab is 2 MiB, aligned and advised for transparent
-// huge pages: with 4 KiB pages, first touches of fresh slab memory were a page fault per ten
-// control blocks, about 40% of spawn_1t's time. Where huge pages are off or none is free, the
-// kernel maps small pages as before. (With THP defrag set to "madvise", the default, the fault
-// that maps a slab may first compact memory: a cost paid once per 5,461 control blocks.)
+// faster than they finish), and each further slab is 2 MiB, committed by one
+// MADV_POPULATE_WRITE: first touches of fresh slab memory were a page fault per ten control
+// blocks, about 40% of spawn_1t's time.
 constexpr std::size_t kBlockSize = 384;
 constexpr std::size_t kSlabBytes = 96 * 1024;
-constexpr std::size_t kHugeSlabBytes = std::size_t{2} << 20;
+constexpr std::size_t kBulkSlabBytes = std::size_t{2} << 20;
 constexpr std::size_t kSpill = 2048;
 
 struct FreeSlot {
@@ -120,7 +118,7 @@ struct SlotCache {
   std::size_t count = 0;      // slots in `head`
   char* bump = nullptr;  // the unused rest of this thread's current slab
   char* bump_end = nullptr;
-  bool carved_one = false;  // this thread has had a slab: the next ones are huge
+  bool carved_one = false;  // this thread has had a slab: the next ones are bulk slabs
 
   ~SlotCache() {  // thread exit: hand the cached slots to the global list (short batches are fine)
     if (head) give(head, count);
@@ -171,7 +169,7 @@ struct SlotCache {
   }
   // Throws ResourceError when no memory can be had.
   void new_slab() {
-    std::size_t bytes = kHugeSlabBytes;
+    std::size_t bytes = kBulkSlabBytes;
     char* slab = carved_one ? map_slab(bytes) : nullptr;
     if (slab == nullptr) {
       bytes = kSlabBytes;
@@ -182,21 +180,20 @@ struct SlotCache {
     bump = slab;
     bump_end = slab + bytes / kBlockSize * kBlockSize;  // whole slots: alloc tests bump == bump_end
   }
-  // A mapping of `bytes`; kHugeSlabBytes ones 2 MiB-aligned and advised for huge pages. nullptr
+  // A mapping of `bytes`; kBulkSlabBytes ones populated at once. nullptr
   // if it cannot be had. Reserved (no MAP_NORESERVE): under strict overcommit a refusal is a
   // failed mmap here, not a signal at first touch.
   static char* map_slab(std::size_t bytes) noexcept {
-    const bool huge = bytes == kHugeSlabBytes;
-    const std::size_t len = huge ? 2 * bytes : bytes;  // room to align, the ends trimmed off
-    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return nullptr;
-    auto slab = reinterpret_cast<uintptr_t>(p);
-    if (huge) {
-      const uintptr_t lo = slab;
-      slab = (lo + bytes - 1) & ~(bytes - 1);
-      if (slab != lo) munmap(p, slab - lo);
-      if (lo + len != slab + bytes) munmap(reinterpret_cast<void*>(slab + bytes), lo + len - slab - bytes);
-      madvise(reinterpret_cast<void*>(slab), bytes, MADV_HUGEPAGE);  // best effort
+    const auto slab = reinterpret_cast<uintptr_t>(p);
+    if (bytes == kBulkSlabBytes) {
+      // Small pages, committed in one call (best effort: before Linux 5.14 they fault in on
+      // first touch). Huge pages halved spawn_1t on a warm machine, but on this VM a huge page
+      // fresh from the host after another process freed memory cost 2-3x instead (spawn_1t
+      // 600-990 ns right after Go's run, against 230-300 with small pages populated).
+      madvise(p, bytes, MADV_NOHUGEPAGE);
+      madvise(p, bytes, MADV_POPULATE_WRITE);
     }
 #if defined(FIBER_ASAN)
     // The leak checker scans malloc'd memory and roots only: control blocks hold the callables'
