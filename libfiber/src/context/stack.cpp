@@ -35,27 +35,35 @@ std::size_t read_max_map_count() {
 
 constexpr std::size_t kChunkBytes = std::size_t{64} << 20;  // shared mappings for unguarded stacks
 
+// Older headers lack these (x86-64 numbers; the probe below finds out whether they work).
 #ifndef MADV_GUARD_INSTALL
-#define MADV_GUARD_INSTALL 102  // Linux 6.13; older headers lack it
+#define MADV_GUARD_INSTALL 102  // Linux 6.13
 #endif
-constexpr std::size_t kMaxMarkedPerChunk = 1024;  // one process_madvise call (UIO_MAXIOV iovecs)
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_process_madvise
+#define SYS_process_madvise 440
+#endif
 
 // Installs guard markers on `n` ranges of this process: one process_madvise call, through a
 // pidfd opened for it (not kept: a descriptor the program never opened would outlive it).
-bool install_guards(const iovec* ranges, std::size_t n, std::size_t bytes) noexcept {
+// 0, or the errno of the failure (EIO: only part of the ranges were done).
+int install_guards(const iovec* ranges, std::size_t n, std::size_t bytes) noexcept {
   const long pidfd = ::syscall(SYS_pidfd_open, ::getpid(), 0);
-  if (pidfd < 0) return false;
+  if (pidfd < 0) return raw::last_errno();
   const long r = ::syscall(SYS_process_madvise, pidfd, ranges, n, MADV_GUARD_INSTALL, 0);
+  const int err = r < 0 ? raw::last_errno() : (r == static_cast<long>(bytes) ? 0 : EIO);
   raw::close(static_cast<int>(pidfd));
-  return r == static_cast<long>(bytes);
+  return err;
 }
 
-// Whether this kernel installs guard markers (process_madvise + MADV_GUARD_INSTALL).
+// Whether this kernel installs guard markers through process_madvise on the calling process.
 bool guard_markers_work(std::size_t page) noexcept {
   void* p = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return false;
   const iovec guard{p, page};
-  const bool ok = install_guards(&guard, 1, page);
+  const bool ok = install_guards(&guard, 1, page) == 0;
   munmap(p, 2 * page);
   return ok;
 }
@@ -152,11 +160,12 @@ Stack StackAllocator::carve_marked_locked(std::size_t size) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return {};
     madvise(p, bytes, MADV_NOHUGEPAGE);  // stacks touch one page each
-    auto ranges = std::make_unique<iovec[]>(n);
-    for (std::size_t i = 0; i < n; ++i) ranges[i] = iovec{static_cast<char*>(p) + i * slot, page_};
-    if (!install_guards(ranges.get(), n, n * page_)) {
+    for (std::size_t i = 0; i < n; ++i) guard_ranges_[i] = iovec{static_cast<char*>(p) + i * slot, page_};
+    if (const int err = install_guards(guard_ranges_, n, n * page_); err != 0) {
       munmap(p, bytes);
-      guard_markers_ = false;  // refused (seccomp, a changed policy): mmap + mprotect from now on
+      // Refused for good (seccomp, a changed policy): mmap + mprotect from now on. Anything else
+      // (no descriptor or memory to spare): the old path for this stack only.
+      if (err == EINVAL || err == ENOSYS || err == EPERM) guard_markers_ = false;
       return {};
     }
     ++mappings_;
@@ -270,6 +279,11 @@ void StackAllocator::release(Stack s) noexcept {
 void StackAllocator::release_batch(Stack* stacks, std::size_t n) noexcept {
   std::lock_guard lock(mu_);
   for (std::size_t i = 0; i < n; ++i) release_locked(stacks[i]);
+}
+
+std::size_t StackAllocator::guarded_limit() noexcept {
+  std::lock_guard lock(mu_);
+  return guard_markers_ ? SIZE_MAX : guarded_limit_;
 }
 
 StackStats StackAllocator::stats() {

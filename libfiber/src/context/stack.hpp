@@ -2,9 +2,10 @@
 //
 // Three kinds, chosen per allocation:
 //   Guarded   - a guard page below it. Where the kernel has guard markers (MADV_GUARD_INSTALL,
-//               Linux 6.13), every stack of a page or more: carved from large shared mappings,
-//               the guard pages of a new mapping's stacks installed by one process_madvise call,
-//               no mapping per stack. Elsewhere (or with FIBER_GUARDED_STACKS set), its own
+//               Linux 6.13, through process_madvise on ourselves: probed), every stack of a page
+//               or more: carved from large shared mappings, the guard pages of a new mapping's
+//               stacks installed by one process_madvise call, no mapping per stack. (The budget
+//               of the path below counts these too, should the kernel refuse markers later.) Elsewhere (or with FIBER_GUARDED_STACKS set), its own
 //               mapping with a PROT_NONE guard page (two kernel mappings, an mmap and an
 //               mprotect), used while the mapping budget allows (StackAllocator::guarded_limit()).
 //   Unguarded - carved from large shared mappings, no guard page: the fallback once that budget
@@ -20,6 +21,8 @@
 #pragma once
 
 #include <cstddef>
+#include <sys/uio.h>
+
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -75,7 +78,8 @@ class StackAllocator {
   // Returns many stacks at once (a cache overflowing), taking the lock once.
   void release_batch(Stack* stacks, std::size_t n) noexcept;
 
-  std::size_t guarded_limit() const noexcept { return guarded_limit_; }
+  // The most guarded stacks in use at once: unlimited (SIZE_MAX) with guard markers.
+  std::size_t guarded_limit() noexcept;
   StackStats stats();
 
  private:
@@ -100,6 +104,8 @@ class StackAllocator {
   };
   std::unordered_map<std::size_t, Chunk> chunks_;                 // per size class
   std::unordered_map<std::size_t, Chunk> marked_chunks_;          // per size class, guard markers
+  static constexpr std::size_t kMaxMarkedPerChunk = 1024;        // one process_madvise (UIO_MAXIOV)
+  iovec guard_ranges_[kMaxMarkedPerChunk];                        // carve_marked_locked's scratch
   std::unordered_map<std::size_t, std::vector<Stack>> free_;      // unguarded/compact, per class
   std::unordered_map<std::size_t, std::vector<Stack>> free_guarded_;  // per class
   std::size_t pooled_guarded() const noexcept {  // REQUIRES(mu_)

@@ -4,6 +4,9 @@
 #include "sched/runtime.hpp"
 
 #include <sys/mman.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older headers lack it (older kernels refuse it)
+#endif
 #if defined(FIBER_ASAN)
 #include <sanitizer/lsan_interface.h>
 #endif
@@ -120,9 +123,21 @@ struct SlotCache {
   char* bump_end = nullptr;
   bool carved_one = false;  // this thread has had a slab: the next ones are bulk slabs
 
-  ~SlotCache() {  // thread exit: hand the cached slots to the global list (short batches are fine)
+  // Thread exit: the cached slots and the rest of the slab go to the global list (short batches
+  // are fine). Threads come and go (a scheduler's, a retired processor's), slabs stay.
+  ~SlotCache() {
     if (head) give(head, count);
     if (freed) give(freed, freed_count);
+    while (bump != bump_end) {
+      FreeSlot* batch = nullptr;
+      std::size_t n = 0;
+      for (; n < kSpill && bump != bump_end; ++n, bump += kBlockSize) {
+        auto* slot = reinterpret_cast<FreeSlot*>(bump);
+        slot->next = batch;
+        batch = slot;
+      }
+      give(batch, n);
+    }
   }
   static void give(FreeSlot* batch, std::size_t n) noexcept {
     GlobalSlots& g = global_slots();
