@@ -56,12 +56,27 @@ struct WakeWord {
   constexpr uint64_t pack() const noexcept {
     return (gen << 8) | (cancelled ? kCancelBit : 0) | (shielded ? kShieldBit : 0) | static_cast<uint64_t>(reason);
   }
+  // On the packed word, for the wait paths (unpack and pack again cost twenty instructions):
+  // `v` with its reason replaced (a claim), and the word that starts the next wait (generation
+  // + 1, Pending, the cancel bit kept, the shield bit as given).
+  static constexpr uint64_t with_reason(uint64_t v, WakeReason r) noexcept {
+    return (v & ~kReasonMask) | static_cast<uint64_t>(r);
+  }
+  static constexpr uint64_t next_wait(uint64_t v, bool shield) noexcept {
+    return ((v | 0xff) + 1) | (v & kCancelBit) | (shield ? kShieldBit : 0) | static_cast<uint64_t>(WakeReason::Pending);
+  }
 };
 static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).gen == 5);
 static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).cancelled);
 static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Cancelled}.pack()).reason == WakeReason::Cancelled);
 static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Pending, true}.pack()).shielded);
 static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Pending, true}.pack()).reason == WakeReason::Pending);
+static_assert(WakeWord::with_reason(WakeWord{5, true, WakeReason::Pending, true}.pack(), WakeReason::Timeout) ==
+              WakeWord{5, true, WakeReason::Timeout, true}.pack());
+static_assert(WakeWord::next_wait(WakeWord{5, true, WakeReason::Timeout, false}.pack(), true) ==
+              WakeWord{6, true, WakeReason::Pending, true}.pack());
+static_assert(WakeWord::next_wait(WakeWord{5, false, WakeReason::Notified, true}.pack(), false) ==
+              WakeWord{6, false, WakeReason::Pending, false}.pack());
 
 struct Fiber {
   // ---- switch path (first cache line)

@@ -528,6 +528,14 @@ bool Processor::maintenance() noexcept {
         ++lifo_in_a_row_;
         return f;
       }
+    } else if (!queue_.has_tasks()) {
+      // Past the LIFO limit with nobody queued to starve: next_local() would move the LIFO
+      // fiber to the back of the empty ring and pop it again (a push and a CAS for a ping-pong
+      // pair every fourth switch). Take it as that queue pick.
+      if (Fiber* f = take_lifo()) {
+        lifo_in_a_row_ = 0;
+        return f;
+      }
     }
     if (lifo_.load(std::memory_order_relaxed) == nullptr) {
       lifo_in_a_row_ = 0;

@@ -104,12 +104,11 @@ void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
   // Only this fiber changes the generation; wakers only set the reason or the cancel bit, so
   // the CAS loop keeps a concurrent cancel.
   uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
-  WakeWord next;
+  uint64_t next;
   do {
-    const WakeWord ww = WakeWord::unpack(cur);
-    next = WakeWord{ww.gen + 1, ww.cancelled, WakeReason::Pending, shielded};
-  } while (!f->wake_word.compare_exchange_weak(cur, next.pack(), std::memory_order_acq_rel));
-  w.gen = next.gen;
+    next = WakeWord::next_wait(cur, shielded);
+  } while (!f->wake_word.compare_exchange_weak(cur, next, std::memory_order_acq_rel));
+  w.gen = WakeWord::unpack(next).gen;
 }
 
 bool waiter_claim(Waiter& w, WakeReason reason) noexcept {
@@ -123,8 +122,7 @@ bool waiter_claim(Waiter& w, WakeReason reason) noexcept {
   for (;;) {
     const WakeWord ww = WakeWord::unpack(cur);
     if (ww.gen != w.gen || ww.reason != WakeReason::Pending) return false;
-    const WakeWord claimed{ww.gen, ww.cancelled, reason, ww.shielded};
-    if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) return true;
+    if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason), std::memory_order_acq_rel)) return true;
   }
 }
 
