@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <string>
 
@@ -281,10 +280,7 @@ void StackAllocator::release_batch(Stack* stacks, std::size_t n) noexcept {
   for (std::size_t i = 0; i < n; ++i) release_locked(stacks[i]);
 }
 
-std::size_t StackAllocator::guarded_limit() noexcept {
-  std::lock_guard lock(mu_);
-  return guard_markers_ ? SIZE_MAX : guarded_limit_;
-}
+std::size_t StackAllocator::guarded_limit() noexcept { return stats().guarded_limit; }
 
 StackStats StackAllocator::stats() {
   std::lock_guard lock(mu_);

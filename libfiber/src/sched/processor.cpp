@@ -545,21 +545,16 @@ bool Processor::maintenance() noexcept {
   return find_work_slow();
 }
 
-// A searcher stops searching when it has something to run, wherever that came from (its own
-// queue, the injector, a victim). Until then the idle state counts it as looking for work and
-// wakes nobody else.
 Fiber* Processor::find_work_slow() noexcept {
-  Fiber* f = find_work_slow_pick();
+  if ((tick_ & (kEventInterval - 1)) == 0) maintenance();
+  Fiber* f = next_local();
+  if (f == nullptr) f = steal_work();
+  if (f == nullptr && maintenance()) f = next_local();
+  // A searcher stops searching when it has something to run, wherever that came from (its own
+  // queue, the injector, a victim). Until then the idle state counts it as looking for work
+  // and wakes nobody else.
   if (f != nullptr && searching_) [[unlikely]] found_work_while_searching();
   return f;
-}
-
-Fiber* Processor::find_work_slow_pick() noexcept {
-  if ((tick_ & (kEventInterval - 1)) == 0) maintenance();
-  if (Fiber* f = next_local()) return f;
-  if (Fiber* f = steal_work()) return f;
-  if (maintenance()) return next_local();
-  return nullptr;
 }
 
 // ------------------------------------------------------------------------------ parking

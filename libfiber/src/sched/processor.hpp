@@ -142,7 +142,6 @@ class Processor {
   Fiber* find_work() noexcept;
   Fiber* next_to_run_after(const Fiber* self) noexcept;  // yield/park/move/finish: see there
   [[gnu::noinline]] Fiber* find_work_slow() noexcept;
-  Fiber* find_work_slow_pick() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
   // kGlobalInterval picks have passed since next_local() last read the injector first.
