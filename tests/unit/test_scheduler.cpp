@@ -309,6 +309,37 @@ TEST_CASE("Scheduler: stop() cancels parked fibers, unwinds their stacks, and re
       kProcCounts, /*check_no_live=*/true);
 }
 
+TEST_CASE("Scheduler: stop() cancels fibers that were still queued when it began") {
+  fiber::Scheduler s({.processors = 1, .name = "stop-queued"});
+  std::atomic<bool> release{false};
+  std::atomic<int> destroyed{0};
+  // Holds the only processor without a blocking call, so the sleepers below stay queued
+  // (spawned, never run) until after stop() has begun.
+  auto hog = fiber::spawn({.scheduler = &s}, [&] {
+    while (!release.load()) {
+    }
+  });
+  constexpr int kSleepers = 20;
+  std::vector<fiber::JoinHandle<void>> sleepers;
+  for (int i = 0; i < kSleepers; ++i) {
+    sleepers.push_back(fiber::spawn({.scheduler = &s}, [&] {
+      DtorCounter d(destroyed);
+      fiber::this_fiber::sleep_for(std::chrono::hours(1));
+    }));
+  }
+  CHECK(s.live_fibers() == kSleepers + 1);
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(20ms);
+    release = true;
+  });
+  with_watchdog(20'000ms, "stop() with queued fibers", [&] { s.stop(); });
+  releaser.join();
+  CHECK(s.live_fibers() == 0);
+  CHECK(destroyed.load() == kSleepers);
+  hog.join();
+  for (auto& h : sleepers) CHECK_THROWS_AS(h.join(), fiber::Cancelled);
+}
+
 TEST_CASE("Scheduler: spawning onto a stopped scheduler is a UsageError") {
   fiber::Scheduler other({.processors = 2, .name = "other"});
   fiber::Scheduler s({.processors = 2, .name = "t"});

@@ -99,12 +99,20 @@ TEST_CASE("dump: lists every live fiber of every scheduler, with names") {
   fiber::Scheduler a({.processors = 1, .name = "dump-a"});
   fiber::Scheduler b({.processors = 2, .name = "dump-b"});
   fiber::Channel<int> stop(0);
+  std::atomic<int> started{0};
   std::vector<fiber::JoinHandle<void>> hs;
   for (int i = 0; i < 5; ++i) {
-    hs.push_back(fiber::spawn({.scheduler = &a, .name = "alpha" + std::to_string(i)}, [&] { (void)stop.recv(); }));
-    hs.push_back(fiber::spawn({.scheduler = &b, .name = "beta" + std::to_string(i)}, [&] { (void)stop.recv(); }));
+    auto body = [&] {
+      started.fetch_add(1);
+      (void)stop.recv();
+    };
+    hs.push_back(fiber::spawn({.scheduler = &a, .name = "alpha" + std::to_string(i)}, body));
+    hs.push_back(fiber::spawn({.scheduler = &b, .name = "beta" + std::to_string(i)}, body));
   }
-  REQUIRE(wait_for([&] { return a.live_fibers() == 5 && b.live_fibers() == 5; }));
+  // Listed once started (a queued fiber is only counted): wait until all ten have run.
+  REQUIRE(wait_for([&] { return started.load() == 10; }));
+  CHECK(a.live_fibers() == 5);
+  CHECK(b.live_fibers() == 5);
   std::ostringstream out;
   fiber::dump(out);
   const std::string d = out.str();
@@ -120,6 +128,24 @@ TEST_CASE("dump: lists every live fiber of every scheduler, with names") {
   std::ostringstream after;
   a.dump(after);
   CHECK(contains(after.str(), "0 live fibers"));
+}
+
+TEST_CASE("dump and live_fibers: fibers spawned and still queued are counted, not listed") {
+  fiber::Scheduler s({.processors = 1, .name = "dump-queued"});
+  std::string d;
+  std::size_t live_inside = 0;
+  fiber::block_on({.scheduler = &s}, [&] {
+    // One processor, and this fiber does not yield: the three stay queued until it returns.
+    for (int i = 0; i < 3; ++i) go[] {};
+    live_inside = s.live_fibers();
+    std::ostringstream out;
+    s.dump(out);
+    d = out.str();
+  });
+  CHECK(live_inside == 4);
+  CHECK(contains(d, "scheduler 'dump-queued': 4 live fibers"));
+  CHECK(contains(d, "3 queued, not started yet"));
+  CHECK(s.live_fibers() == 0);
 }
 
 TEST_CASE("stats: park reasons have names") {

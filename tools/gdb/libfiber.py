@@ -2,7 +2,7 @@
 # backtrace of a fiber that is not running.
 #
 #   (gdb) source tools/gdb/libfiber.py        # or: gdb -x tools/gdb/libfiber.py ...
-#   (gdb) info fibers                         # every live fiber of every scheduler
+#   (gdb) info fibers                         # every started fiber of every scheduler
 #   (gdb) fiber bt 42                         # backtrace of fiber #42 (parked or queued)
 #   (gdb) fiber bt 42 -full                   # any `backtrace` options/count go through
 #   (gdb) fiber bt all                        # every fiber that has a saved context
@@ -11,7 +11,8 @@
 #   fiber_detail_schedulers (extern "C", sched/introspect.cpp): newest SchedulerImpl, linked by
 #   next_scheduler_; SchedulerImpl::registry_.shards_ (std::vector<Shard>), each Shard's `head`
 #   list linked by Fiber::reg_next; Fiber::{id, name, state, park_reason, last_processor, ctx,
-#   stack}; Processor::{index_, tid_, current_}.
+#   stack}; Processor::{index_, tid_, current_}. A fiber is listed from its first run to its end:
+#   one spawned and still queued, which has no stack or frames yet, is not shown.
 #
 # `fiber bt` works on core files as well as on live processes because it changes nothing in the
 # inferior: a Python unwinder (FiberUnwinder) takes over the unwinding of the selected thread's
@@ -166,7 +167,7 @@ def schedulers():
 
 
 def fibers(sched):
-    """The live fibers (gdb.Value Fiber*) of one scheduler, shard by shard."""
+    """The started, unfinished fibers (gdb.Value Fiber*) of one scheduler, shard by shard."""
     for shard in _vector(sched["registry_"]["shards_"]):
         f = shard["head"]
         n = 0

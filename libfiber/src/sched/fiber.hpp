@@ -106,7 +106,8 @@ struct Fiber {
   // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle.
   std::atomic<uint32_t> refs{1};
   uint32_t pin_depth = 0;  // PinGuard nesting; owner only
-  uint32_t reg_shard = 0;  // registry shard it is listed in
+  uint32_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
+  static constexpr uint32_t kUnlisted = ~0u;
 
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes
@@ -115,7 +116,7 @@ struct Fiber {
   std::atomic<Processor*> last_processor{nullptr};  // written when resumed
   std::atomic<int64_t> parked_at_ns{0};             // coarse steady time of its last park
 
-  // Registry of live fibers (stop, dump): links guarded by the scheduler's registry lock.
+  // Registry of started fibers (stop, dump): links guarded by the scheduler's registry lock.
   Fiber* reg_prev = nullptr;
   Fiber* reg_next = nullptr;
 

@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -109,7 +110,7 @@ void unregister_scheduler(SchedulerImpl* s) noexcept {
 SchedulerStats SchedulerImpl::stats() const {
   SchedulerStats s;
   s.name = name_;
-  s.fibers_alive = registry_.live();
+  s.fibers_alive = live_fibers();
   s.spawned = foreign_spawned_.load(std::memory_order_relaxed);
   const uint32_t n = processor_slots();
   s.processors.resize(n);
@@ -145,7 +146,8 @@ void SchedulerImpl::dump(std::ostream& out) const {
     int64_t parked_at;
   };
   std::vector<Line> lines;
-  lines.reserve(registry_.live() + 16);
+  const std::size_t live = live_fibers();
+  lines.reserve(live + 16);
   // Copy under the shard locks, print outside them.
   registry_.for_each([&](Fiber* f) {
     const Processor* last = f->last_processor.load(std::memory_order_relaxed);
@@ -154,7 +156,11 @@ void SchedulerImpl::dump(std::ostream& out) const {
                          f->parked_at_ns.load(std::memory_order_relaxed)});
   });
   const int64_t now = steady_now_ns();
-  out << "scheduler '" << name_ << "': " << lines.size() << " live fibers, " << base_ << " processors\n";
+  // Fibers are listed from their first run: the rest of the live count is still queued (or
+  // has just finished, the two counts being read a moment apart).
+  const std::size_t shown = std::max(live, lines.size());
+  out << "scheduler '" << name_ << "': " << shown << " live fibers, " << base_ << " processors\n";
+  if (shown > lines.size()) out << "  " << shown - lines.size() << " queued, not started yet\n";
   for (const Line& l : lines) {
     out << "  fiber #" << l.id;
     if (!l.name.empty()) out << " '" << l.name << "'";

@@ -251,6 +251,7 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
     return false;
   }
   f->task->error = nullptr;  // a failed earlier attempt (run() retries from the loop) is moot
+  sched_.registry().add(f, index_);  // listed from its first run, where it will likely finish
   f->san.on_create(f->stack.lo, f->stack.size);
   f->ctx = make_context(f->stack.top(), f->stack.usable(), &Processor::fiber_main);
   return true;

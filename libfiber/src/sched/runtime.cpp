@@ -302,7 +302,6 @@ void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
   if (f->group) f->group->add();
   Processor* p = current_processor();
   const bool local = p != nullptr && &p->sched() == f->sched;
-  f->sched->registry().add(f, local ? p->index() : f->sched->external_shard());
   f->set_state(FiberState::Created, FiberState::Runnable);  // not yet visible to anyone
   if (local) {
     p->count_spawn();
@@ -322,7 +321,8 @@ void run_task(Fiber* self) noexcept {
 }
 
 void complete_fiber(Fiber* f) noexcept {
-  // Registry first: once the joiner or the group waiter runs, stop() may count this fiber gone.
+  // Unlisted first: once the joiner or the group waiter runs, stop() may count this fiber gone
+  // (count_finish() has counted it) and the scheduler go away.
   f->sched->registry().remove(f);
   Group* g = f->group;
   const uintptr_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
@@ -492,25 +492,15 @@ void Registry::add(Fiber* f, std::size_t shard) noexcept {
   f->reg_next = s.head;
   if (s.head) s.head->reg_prev = f;
   s.head = f;
-  ++s.count;
 }
 
 void Registry::remove(Fiber* f) noexcept {
+  if (f->reg_shard == Fiber::kUnlisted) return;
   Shard& s = shards_[f->reg_shard];
   std::lock_guard lock(s.mu);
   if (f->reg_prev) f->reg_prev->reg_next = f->reg_next; else s.head = f->reg_next;
   if (f->reg_next) f->reg_next->reg_prev = f->reg_prev;
   f->reg_prev = f->reg_next = nullptr;
-  --s.count;
-}
-
-std::size_t Registry::live() const noexcept {
-  std::size_t n = 0;
-  for (const Shard& s : shards_) {
-    std::lock_guard lock(const_cast<SpinLock&>(s.mu));
-    n += s.count;
-  }
-  return n;
 }
 
 }  // namespace detail

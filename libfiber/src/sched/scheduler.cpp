@@ -77,7 +77,7 @@ SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
       base_(static_cast<uint32_t>(resolve_processor_count(o.processors))),
       retire_after_ns_(checked_retire_after_ns(o.watchdog)),
       idle_(base_, resolve_max_processors(o.max_processors, base_)),
-      registry_(resolve_max_processors(o.max_processors, base_) + 1),
+      registry_(resolve_max_processors(o.max_processors, base_)),
       processors_(resolve_max_processors(o.max_processors, base_)) {
   Poller::validate_env();
   if (o.watchdog.enabled) {
@@ -107,8 +107,8 @@ SchedulerImpl::~SchedulerImpl() {
 Processor& SchedulerImpl::ensure_processor(uint32_t i) {
   if (!processors_[i]) processors_[i] = std::make_unique<Processor>(*this, i, i >= base_);
   // Slots are taken lowest first, so this extends the range by one; release publishes the
-  // Processor to every thread that iterates slots.
-  if (slots_.load(std::memory_order_relaxed) <= i) slots_.store(i + 1, std::memory_order_release);
+  // Processor to every thread that iterates slots (seq_cst for live_fibers()).
+  if (slots_.load(std::memory_order_relaxed) <= i) slots_.store(i + 1, std::memory_order_seq_cst);
   return *processors_[i];
 }
 
@@ -145,6 +145,23 @@ void SchedulerImpl::notify_if_work_pending() noexcept {
   if (!injector_.empty()) notify_parked();
 }
 
+// Finish counts first, then the slot count again, then spawn counts, all seq_cst (as are the
+// counters' stores and a slot's publication). Take the middle read R as "now". A fiber alive
+// then (spawned before R, finishing after it in the one total order of seq_cst operations)
+// is counted as spawned - its processor was published before it spawned, so the second pass
+// covers it - and not as finished: it contributes one. A fiber whose finish is counted was
+// spawned before that, so its spawn is counted too: none contributes less than zero. So zero
+// means none was alive at R, and with stopping() set and no fiber left to spawn one, none
+// will be. While fibers come and go the sum may count one that has just finished.
+std::size_t SchedulerImpl::live_fibers() const noexcept {
+  uint64_t finished = 0;
+  for (uint32_t i = 0, n = processor_slots(); i < n; ++i) finished += processors_[i]->finished_count();
+  const uint32_t slots = slots_.load(std::memory_order_seq_cst);  // R
+  uint64_t spawned = foreign_spawned_.load(std::memory_order_seq_cst);
+  for (uint32_t i = 0; i < slots; ++i) spawned += processors_[i]->spawned_count();
+  return spawned > finished ? static_cast<std::size_t>(spawned - finished) : 0;
+}
+
 void SchedulerImpl::stop() {
   if (stopped_.load(std::memory_order_acquire)) return;
   if (Fiber* f = current_fiber(); f != nullptr && f->sched == this) {
@@ -155,10 +172,11 @@ void SchedulerImpl::stop() {
   std::lock_guard lock(stop_mu);
   if (stopped_.load(std::memory_order_acquire)) return;
   stopping_.store(true, std::memory_order_release);
-  // Cancel everything alive until nothing is: fibers spawned while unwinding get cancelled on
-  // the next round. Backs off from 50 us to 5 ms between rounds.
+  // Cancel everything alive until nothing is: fibers spawned while unwinding, and queued ones
+  // (listed once they start), get cancelled on a later round. Backs off from 50 us to 5 ms
+  // between rounds.
   auto pause = std::chrono::microseconds(50);
-  while (registry_.live() != 0) {
+  while (live_fibers() != 0) {
     registry_.for_each([](Fiber* f) { fiber_cancel(f); });
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));
@@ -198,7 +216,7 @@ WatchdogStats Scheduler::watchdog_stats() const noexcept { return impl_->watchdo
 
 const std::string& Scheduler::name() const noexcept { return impl_->name(); }
 
-std::size_t Scheduler::live_fibers() const noexcept { return impl_->registry().live(); }
+std::size_t Scheduler::live_fibers() const noexcept { return impl_->live_fibers(); }
 
 Scheduler& Scheduler::global() {
   // Never destroyed: fibers may run while static destructors do (like Go's runtime at exit).

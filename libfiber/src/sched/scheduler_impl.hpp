@@ -24,15 +24,17 @@
 
 namespace fiber::detail {
 
-// Live fibers, sharded so that spawning on one processor and finishing on another rarely meet
-// on the same lock. Shard i belongs to processor i; the last one to spawns from other threads.
+// Fibers that have started and not finished, for stop() to cancel and dump() to list. A fiber
+// is listed by the processor that first runs it, in that processor's shard, so listing and
+// unlisting (usually on the same processor) meet no other thread's lock: listing at spawn put
+// a lock shared by the spawner and the finishers on every spawn. How many fibers are alive,
+// queued ones included, is SchedulerImpl::live_fibers().
 class Registry {
  public:
   explicit Registry(std::size_t shards) : shards_(shards) {}
   void add(Fiber* f, std::size_t shard) noexcept;
-  void remove(Fiber* f) noexcept;
-  std::size_t live() const noexcept;
-  // Calls fn(Fiber*) for every live fiber, one shard lock at a time.
+  void remove(Fiber* f) noexcept;  // a fiber never listed (it never ran) is left alone
+  // Calls fn(Fiber*) for every listed fiber, one shard lock at a time.
   template <typename Fn>
   void for_each(Fn&& fn) {
     for (Shard& s : shards_) {
@@ -44,8 +46,7 @@ class Registry {
  private:
   struct alignas(64) Shard {
     SpinLock mu;
-    Fiber* head = nullptr;   // GUARDED_BY(mu)
-    std::size_t count = 0;   // GUARDED_BY(mu); read racily by live()
+    Fiber* head = nullptr;  // GUARDED_BY(mu)
   };
   std::vector<Shard> shards_;
 };
@@ -68,7 +69,11 @@ class SchedulerImpl {
   // inject() or push_inbox(); stop() therefore waits for foreign wakes in progress to end.
   void foreign_wake_begin() noexcept { foreign_wakes_.fetch_add(1, std::memory_order_acq_rel); }
   void foreign_wake_end() noexcept { foreign_wakes_.fetch_sub(1, std::memory_order_acq_rel); }
-  void count_foreign_spawn() noexcept { foreign_spawned_.fetch_add(1, std::memory_order_relaxed); }
+  void count_foreign_spawn() noexcept { foreign_spawned_.fetch_add(1, std::memory_order_seq_cst); }  // see live_fibers()
+  // Spawned and not finished, queued ones included. Exact when nothing is running; while fibers
+  // spawn and finish it may count one that has just finished, never miss one alive (stop()
+  // relies on that). See the definition.
+  std::size_t live_fibers() const noexcept;
   SchedulerStats stats() const;
   void dump(std::ostream& out) const;
 
@@ -85,7 +90,6 @@ class SchedulerImpl {
   Idle& idle() noexcept { return idle_; }
   Injector& injector() noexcept { return injector_; }
   Registry& registry() noexcept { return registry_; }
-  uint32_t external_shard() const noexcept { return max_processors(); }
   std::size_t default_stack_class() const noexcept { return default_stack_class_; }
 
   // A fiber made runnable from outside this scheduler's processors.
@@ -122,7 +126,7 @@ class SchedulerImpl {
   // Foreign wakes in progress (see foreign_wake_begin). Incremented before the fiber is
   // published, so a stop() that saw the fiber finish also sees the increment.
   std::atomic<uint32_t> foreign_wakes_{0};
-  std::atomic<uint64_t> foreign_spawned_{0};  // spawned from threads that are not our processors
+  std::atomic<uint64_t> foreign_spawned_{0};  // spawned from threads that are not our processors (seq_cst: live_fibers())
 
  public:
   // Every scheduler alive, newest first (fiber::dump, the dump signal, tools/gdb/libfiber.py).
