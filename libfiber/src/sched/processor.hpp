@@ -105,14 +105,13 @@ class Processor {
   static void unpin_current() noexcept;
 
   // ---- Counters (fiber/stats.hpp). Owner-written; stats() reads them from any thread. The
-  // spawn and finish counts are also SchedulerImpl::live_fibers(), which stop() waits on: a
-  // seq_cst store each (one total order with its seq_cst loads), taken before the fiber can run
-  // or be joined. A fiber is counted where it is spawned and where it finishes, so neither
-  // touches a line another processor writes.
-  void count_spawn() noexcept { spawned_.store(spawned_.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst); }
-  void count_finish() noexcept { finished_.store(finished_.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst); }
-  uint64_t spawned_count() const noexcept { return spawned_.load(std::memory_order_seq_cst); }
-  uint64_t finished_count() const noexcept { return finished_.load(std::memory_order_seq_cst); }
+  // spawn and finish counts also make SchedulerImpl::live_fibers(), which stop() waits on:
+  // release stores (see there), taken before the fiber can run or be joined. A fiber is
+  // counted where it is spawned and where it finishes, on lines no other processor writes.
+  void count_spawn() noexcept { spawned_.store(spawned_.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+  void count_finish() noexcept { finished_.store(finished_.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+  uint64_t spawned_count() const noexcept { return spawned_.load(std::memory_order_acquire); }
+  uint64_t finished_count() const noexcept { return finished_.load(std::memory_order_acquire); }
   void stats_into(ProcessorStats& out) const noexcept;
   // The steady clock as of this processor's last look at it (at most kEventInterval switches or
   // one idle wait ago): what a fiber parking here records as the start of its wait.
@@ -195,7 +194,7 @@ class Processor {
   uint64_t id_next_ = 0, id_end_ = 0;  // block of fiber ids
   std::optional<StackCache> stacks_;   // made when the thread starts, emptied when it retires
   Fiber* refill_scratch_[RunQueue::capacity() / 2];  // refill_from_injector's batch (owner only)
-  // Counters for stats(): single writer (the owner), relaxed (spawned_ and finished_: seq_cst,
+  // Counters for stats(): single writer (the owner), relaxed (spawned_ and finished_: release,
   // see count_spawn()); readers may see them a few events apart from each other.
   std::atomic<uint64_t> steals_{0}, spawned_{0}, finished_{0};
   std::atomic<uint64_t> parks_[kParkReasons] = {};

@@ -107,8 +107,8 @@ SchedulerImpl::~SchedulerImpl() {
 Processor& SchedulerImpl::ensure_processor(uint32_t i) {
   if (!processors_[i]) processors_[i] = std::make_unique<Processor>(*this, i, i >= base_);
   // Slots are taken lowest first, so this extends the range by one; release publishes the
-  // Processor to every thread that iterates slots (seq_cst for live_fibers()).
-  if (slots_.load(std::memory_order_relaxed) <= i) slots_.store(i + 1, std::memory_order_seq_cst);
+  // Processor to every thread that iterates slots.
+  if (slots_.load(std::memory_order_relaxed) <= i) slots_.store(i + 1, std::memory_order_release);
   return *processors_[i];
 }
 
@@ -145,20 +145,19 @@ void SchedulerImpl::notify_if_work_pending() noexcept {
   if (!injector_.empty()) notify_parked();
 }
 
-// Finish counts first, then the slot count again, then spawn counts, all seq_cst (as are the
-// counters' stores and a slot's publication). Take the middle read R as "now". A fiber alive
-// then (spawned before R, finishing after it in the one total order of seq_cst operations)
-// is counted as spawned - its processor was published before it spawned, so the second pass
-// covers it - and not as finished: it contributes one. A fiber whose finish is counted was
-// spawned before that, so its spawn is counted too: none contributes less than zero. So zero
-// means none was alive at R, and with stopping() set and no fiber left to spawn one, none
-// will be. While fibers come and go the sum may count one that has just finished.
+// Finish counts first, then spawn counts. A finish read here (acquire; the counters are
+// stored with release) brings along everything before it: the fiber's own spawn and every
+// spawn it made, on whatever processor (the slot count is read again for that). So no fiber
+// counts less than zero, and one counted as finished has its children counted as spawned:
+// down the tree of any spawn that happened before this call, the sum stays above zero while
+// one of them is unfinished. stop() relies on that - each fiber descends from a spawn made
+// before stop() (a plain thread's spawn racing stop() is the caller's race). While fibers
+// come and go the sum may still count one that has just finished.
 std::size_t SchedulerImpl::live_fibers() const noexcept {
   uint64_t finished = 0;
   for (uint32_t i = 0, n = processor_slots(); i < n; ++i) finished += processors_[i]->finished_count();
-  const uint32_t slots = slots_.load(std::memory_order_seq_cst);  // R
-  uint64_t spawned = foreign_spawned_.load(std::memory_order_seq_cst);
-  for (uint32_t i = 0; i < slots; ++i) spawned += processors_[i]->spawned_count();
+  uint64_t spawned = foreign_spawned_.load(std::memory_order_acquire);
+  for (uint32_t i = 0, n = processor_slots(); i < n; ++i) spawned += processors_[i]->spawned_count();
   return spawned > finished ? static_cast<std::size_t>(spawned - finished) : 0;
 }
 

@@ -69,10 +69,10 @@ class SchedulerImpl {
   // inject() or push_inbox(); stop() therefore waits for foreign wakes in progress to end.
   void foreign_wake_begin() noexcept { foreign_wakes_.fetch_add(1, std::memory_order_acq_rel); }
   void foreign_wake_end() noexcept { foreign_wakes_.fetch_sub(1, std::memory_order_acq_rel); }
-  void count_foreign_spawn() noexcept { foreign_spawned_.fetch_add(1, std::memory_order_seq_cst); }  // see live_fibers()
+  void count_foreign_spawn() noexcept { foreign_spawned_.fetch_add(1, std::memory_order_release); }  // see live_fibers()
   // Spawned and not finished, queued ones included. Exact when nothing is running; while fibers
-  // spawn and finish it may count one that has just finished, never miss one alive (stop()
-  // relies on that). See the definition.
+  // spawn and finish it may count one that has just finished, never miss one alive that
+  // descends from a spawn made before the call (stop() relies on that). See the definition.
   std::size_t live_fibers() const noexcept;
   SchedulerStats stats() const;
   void dump(std::ostream& out) const;
@@ -126,7 +126,7 @@ class SchedulerImpl {
   // Foreign wakes in progress (see foreign_wake_begin). Incremented before the fiber is
   // published, so a stop() that saw the fiber finish also sees the increment.
   std::atomic<uint32_t> foreign_wakes_{0};
-  std::atomic<uint64_t> foreign_spawned_{0};  // spawned from threads that are not our processors (seq_cst: live_fibers())
+  std::atomic<uint64_t> foreign_spawned_{0};  // spawned from threads that are not our processors (see live_fibers())
 
  public:
   // Every scheduler alive, newest first (fiber::dump, the dump signal, tools/gdb/libfiber.py).
