@@ -90,7 +90,8 @@ reject() {  # reject WHAT FILE SECTION ERE: no line of SECTION matches ERE
 
 check_output() {  # check_output WHAT FILE
   local what=$1 f=$2
-  expect "$what" "$f" info "^Scheduler 'gdbtest' \(0x[0-9a-f]+\): 4 live fibers, 2 processors$"
+  expect "$what" "$f" info "^Scheduler 'gdbtest' \(0x[0-9a-f]+\): 5 live fibers, 2 processors$"
+  expect "$what" "$f" info "^  1 queued, not started yet$"
   expect "$what" "$f" info "^ +Id +Name +State +Reason +Last P$"
   expect "$what" "$f" info "^ +$ALPHA +alpha-waiter +parked +channel +[01]$"
   expect "$what" "$f" info "^ +$BETA +beta-sleeper +parked +sleep +[01]$"
@@ -115,7 +116,7 @@ check_output() {  # check_output WHAT FILE
   expect "$what" "$f" gamma "^ +self = 0x[0-9a-f]+$"  # -full: locals of fiber_main
   expect "$what" "$f" delta "fiber #$DELTA is running \(processor P[01], gdb thread [0-9]+ \(LWP [0-9]+\)\)"
   reject "$what" "$f" delta "^#"
-  expect "$what" "$f" missing "no live fiber #987654321"
+  expect "$what" "$f" missing "no started fiber #987654321"
   # options go through; an optimised build may name a specialised clone of switch_to
   expect "$what" "$f" count "^#1  fiber::detail::Processor::switch_to(\(.*\) \[clone [^]]+\])? \(p=\.\.\., from=\.\.\., to=\.\.\., action=\.\.\.\) at "
   reject "$what" "$f" count "^#2 |park_here_alpha"

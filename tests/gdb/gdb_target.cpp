@@ -5,6 +5,7 @@
 //   beta-sleeper   parked in this_fiber::sleep_for(1h), inside sleep_in_beta()
 //   (unnamed)      parked joining alpha-waiter, inside join_in_gamma()
 //   delta-runner   running: it holds its processor in a blocking usleep loop (spin_in_delta())
+//   (unnamed)      spawned by delta-runner, queued behind it: never run
 // then prints "NAME=ID" for each, then "ready", and waits to be killed (it exits by itself
 // after 120 s, so an interrupted test leaves nothing behind).
 #include <fiber/fiber.hpp>
@@ -43,6 +44,9 @@ __attribute__((noinline)) void join_in_gamma(fiber::JoinHandle<void>& alpha) {
 }
 
 __attribute__((noinline)) void spin_in_delta() {
+  // Spawned here, it waits in this processor's LIFO slot (which nobody steals from) while delta
+  // holds the processor: alive, never run - counted by `info fibers`, not listed.
+  go[] {};
   g_delta = fiber::this_fiber::id();
   while (g_delta_go.load()) ::usleep(20'000);  // blocks the processor thread, stays "running"
   asm volatile("" ::: "memory");

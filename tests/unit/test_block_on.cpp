@@ -101,7 +101,7 @@ TEST_CASE("block_on: waits for late descendants") {
     CHECK(grandchild_done.load());
     CHECK(spawned.load() == 2 + 4 * (1 + 3 * (1 + 2)));
     CHECK(finished.load() == spawned.load());
-    quiesce(s);  // the last members leave the registry just after the group
+    quiesce(s);  // members count as finished before their group hears: nothing is live
   });
 }
 
@@ -270,7 +270,7 @@ TEST_CASE("block_on: from several plain threads at once") {
             if (v != t * 1000 + r) wrong.fetch_add(1);
             if (kids.load() != 5) missing.fetch_add(1);
             // `kids` dies here: every member finished (block_on waited), though the last ones
-            // may still be leaving the registry - they no longer touch `kids`.
+            // may still be switching away - they no longer touch `kids`.
           }
         });
       }

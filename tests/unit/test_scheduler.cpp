@@ -310,34 +310,50 @@ TEST_CASE("Scheduler: stop() cancels parked fibers, unwinds their stacks, and re
 }
 
 TEST_CASE("Scheduler: stop() cancels fibers that were still queued when it began") {
-  fiber::Scheduler s({.processors = 1, .name = "stop-queued"});
+  fiber::Scheduler::Options o;
+  o.processors = 1;
+  o.name = "stop-queued";
+  o.watchdog.enabled = false;  // the hog below holds its processor on purpose
+  fiber::Scheduler s(o);
   std::atomic<bool> release{false};
   std::atomic<int> destroyed{0};
-  // Holds the only processor without a blocking call, so the sleepers below stay queued
-  // (spawned, never run) until after stop() has begun.
+  std::atomic<int> jobs_ran{0};
+  // Holds the only processor without a blocking call, so the fibers below stay queued
+  // (spawned, never run) until stop() has begun.
   auto hog = fiber::spawn({.scheduler = &s}, [&] {
     while (!release.load()) {
     }
   });
-  constexpr int kSleepers = 20;
-  std::vector<fiber::JoinHandle<void>> sleepers;
-  for (int i = 0; i < kSleepers; ++i) {
-    sleepers.push_back(fiber::spawn({.scheduler = &s}, [&] {
+  constexpr int kQueued = 20;
+  std::vector<fiber::JoinHandle<void>> queued;
+  for (int i = 0; i < kQueued; ++i) {
+    queued.push_back(fiber::spawn({.scheduler = &s}, [&] {
       DtorCounter d(destroyed);
+      // Cancelled before it first ran: this throws, and the job never starts.
+      fiber::blocking([&] { jobs_ran.fetch_add(1); });
       fiber::this_fiber::sleep_for(std::chrono::hours(1));
     }));
   }
-  CHECK(s.live_fibers() == kSleepers + 1);
+  CHECK(s.live_fibers() == kQueued + 1);
   std::thread releaser([&] {
-    std::this_thread::sleep_for(20ms);
+    // stop() has begun once spawning from outside is refused; only then let the queue run.
+    for (;;) {
+      try {
+        fiber::spawn({.scheduler = &s}, [] {}).detach();
+      } catch (const fiber::UsageError&) {
+        break;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
     release = true;
   });
   with_watchdog(20'000ms, "stop() with queued fibers", [&] { s.stop(); });
   releaser.join();
   CHECK(s.live_fibers() == 0);
-  CHECK(destroyed.load() == kSleepers);
+  CHECK(destroyed.load() == kQueued);
+  CHECK(jobs_ran.load() == 0);
   hog.join();
-  for (auto& h : sleepers) CHECK_THROWS_AS(h.join(), fiber::Cancelled);
+  for (auto& h : queued) CHECK_THROWS_AS(h.join(), fiber::Cancelled);
 }
 
 TEST_CASE("Scheduler: spawning onto a stopped scheduler is a UsageError") {

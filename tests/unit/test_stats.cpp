@@ -1,5 +1,5 @@
 // fiber::stats / Scheduler::stats and fiber::dump (fiber/stats.hpp): counters move as a known
-// workload says they must; the dump lists every live fiber.
+// workload says they must; the dump lists every started fiber and counts queued ones.
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 

@@ -12,7 +12,8 @@
 #   next_scheduler_; SchedulerImpl::registry_.shards_ (std::vector<Shard>), each Shard's `head`
 #   list linked by Fiber::reg_next; Fiber::{id, name, state, park_reason, last_processor, ctx,
 #   stack}; Processor::{index_, tid_, current_}. A fiber is listed from its first run to its end:
-#   one spawned and still queued, which has no stack or frames yet, is not shown.
+#   one spawned and still queued, which has no stack or frames yet, is only counted (from the
+#   processors' spawned_/finished_ and the scheduler's foreign_spawned_, as live_fibers() does).
 #
 # `fiber bt` works on core files as well as on live processes because it changes nothing in the
 # inferior: a Python unwinder (FiberUnwinder) takes over the unwinding of the selected thread's
@@ -177,6 +178,38 @@ def fibers(sched):
             f = f["reg_next"]
 
 
+def _unique_ptr(u):
+    """The pointer a libstdc++ std::unique_ptr holds: the tuple member (_M_head_impl) that is a
+    pointer - the deleter's, in another base of the same tuple, has that name too."""
+    def search(v):
+        t = v.type.strip_typedefs()
+        for f in t.fields():
+            if f.is_base_class:
+                found = search(v[f])
+                if found is not None:
+                    return found
+            elif f.name == "_M_head_impl" and f.type.strip_typedefs().code == gdb.TYPE_CODE_PTR:
+                return v[f]
+        return None
+    p = search(_member(u["_M_t"], "_M_t"))  # __uniq_ptr_impl's std::tuple<pointer, deleter>
+    if p is None:
+        raise gdb.error("unexpected std::unique_ptr layout")
+    return p
+
+
+def live_count(sched):
+    """Fibers spawned and not finished, queued ones included, from the processors' counters as
+    SchedulerImpl::live_fibers() reads them; None if they cannot be read."""
+    try:
+        slots = int(_atomic(sched["slots_"]))
+        procs = [_unique_ptr(u) for u in _vector(sched["processors_"])][:slots]
+        finished = sum(int(_atomic(p["finished_"])) for p in procs if int(p))
+        spawned = int(_atomic(sched["foreign_spawned_"])) + sum(int(_atomic(p["spawned_"])) for p in procs if int(p))
+        return max(spawned - finished, 0)
+    except (gdb.error, gdb.MemoryError):
+        return None
+
+
 class FiberInfo:
     def __init__(self, sched, f):
         self.sched = sched
@@ -235,7 +268,7 @@ class FiberInfo:
 
 
 def all_fibers():
-    """FiberInfo of every live fiber: scheduler by scheduler (newest first), by id within one."""
+    """FiberInfo of every started fiber: scheduler by scheduler (newest first), by id within one."""
     for s in schedulers():
         yield from sorted((FiberInfo(s, f) for f in fibers(s)), key=lambda fi: fi.id)
 
@@ -243,7 +276,7 @@ def all_fibers():
 def find_fiber(fid):
     matches = [fi for fi in all_fibers() if fi.id == fid]
     if not matches:
-        raise FiberError("no live fiber #%d (see `info fibers`)" % fid)
+        raise FiberError("no started fiber #%d (one still queued has no frames yet; see `info fibers`)" % fid)
     if len(matches) > 1:
         gdb.write("warning: %d fibers have id %d; using the one of scheduler '%s'\n"
                   % (len(matches), fid, _std_string(matches[0].sched["name_"])))
@@ -257,8 +290,9 @@ class InfoFibers(gdb.Command):
 
 Usage: info fibers
 
-For each scheduler (newest first), one line per live fiber: its id, name, state, park reason
-(for a parked fiber) and the index of the processor that last ran it ("-": not started).
+For each scheduler (newest first), one line per started fiber: its id, name, state, park
+reason (for a parked fiber) and the index of the processor that last ran it ("-": not started).
+Fibers spawned and still queued, never run, are counted in one line.
 A running fiber also names the gdb thread of its processor. Works on live processes and core
 files. `fiber bt ID` prints the backtrace of one that is not running."""
 
@@ -279,9 +313,12 @@ files. `fiber bt ID` prints the backtrace of one that is not running."""
                 except (gdb.error, gdb.MemoryError) as e:
                     rows.append(e)
             sched = s.dereference()
+            live = max(live_count(sched) or 0, len(rows))
             gdb.write("Scheduler '%s' (%s): %d live fibers, %d processors\n"
                       % (_std_string(sched["name_"]), s.format_string(raw=True, symbols=False),
-                         len(rows), int(sched["base_"])))
+                         live, int(sched["base_"])))
+            if live > len(rows):
+                gdb.write("  %d queued, not started yet\n" % (live - len(rows)))
             if not rows:
                 continue
             rows.sort(key=lambda r: r.id if isinstance(r, FiberInfo) else -1)

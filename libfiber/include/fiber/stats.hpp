@@ -63,7 +63,8 @@ struct SchedulerStats {
 // The default scheduler's counters (starts it if needed).
 FIBER_API SchedulerStats stats();
 // Every live fiber of every scheduler: id, name, state, park reason, the processor it last ran
-// on and how long it has waited (to within a few milliseconds), one line each.
+// on and how long it has waited (to within a few milliseconds), one line each. Fibers spawned
+// and still queued, never run, are counted in one line ("N queued, not started yet").
 FIBER_API void dump(std::ostream& out);
 
 }  // namespace fiber

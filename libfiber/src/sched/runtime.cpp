@@ -321,8 +321,8 @@ void run_task(Fiber* self) noexcept {
 }
 
 void complete_fiber(Fiber* f) noexcept {
-  // Unlisted first: once the joiner or the group waiter runs, stop() may count this fiber gone
-  // (count_finish() has counted it) and the scheduler go away.
+  // stop() may count this fiber gone already (count_finish()); it joins the processors, whose
+  // threads alone touch the registry, before the scheduler goes away.
   f->sched->registry().remove(f);
   Group* g = f->group;
   const uintptr_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);

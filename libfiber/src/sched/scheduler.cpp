@@ -147,12 +147,14 @@ void SchedulerImpl::notify_if_work_pending() noexcept {
 
 // Finish counts first, then spawn counts. A finish read here (acquire; the counters are
 // stored with release) brings along everything before it: the fiber's own spawn and every
-// spawn it made, on whatever processor (the slot count is read again for that). So no fiber
-// counts less than zero, and one counted as finished has its children counted as spawned:
-// down the tree of any spawn that happened before this call, the sum stays above zero while
-// one of them is unfinished. stop() relies on that - each fiber descends from a spawn made
-// before stop() (a plain thread's spawn racing stop() is the caller's race). While fibers
-// come and go the sum may still count one that has just finished.
+// spawn it made while it ran, on whatever processor (the slot count is read again for that).
+// So no fiber counts less than zero, and one counted as finished has its children counted as
+// spawned: down the tree of any spawn that happened before this call, the sum stays above zero
+// while one of them is unfinished. stop() relies on that - each fiber descends from a spawn
+// made before stop(). Not covered, as before this count existed: a plain thread's spawn racing
+// stop() (the caller's race), and a spawn from an unhandled-exception handler, which runs
+// after its fiber has finished. While fibers come and go the sum may count one that has just
+// finished.
 std::size_t SchedulerImpl::live_fibers() const noexcept {
   uint64_t finished = 0;
   for (uint32_t i = 0, n = processor_slots(); i < n; ++i) finished += processors_[i]->finished_count();

@@ -1,5 +1,5 @@
 // SchedulerImpl: the processors of one scheduler and what they share (injector, idle state,
-// registry of live fibers, the watchdog).
+// registry of started fibers, the watchdog).
 //
 // Processor slots: `max_processors` slots exist from the start (the vector, the idle state's
 // per-id arrays and the registry shards are sized for them); the first `base_processors` hold
