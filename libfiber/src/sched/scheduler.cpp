@@ -173,9 +173,10 @@ void SchedulerImpl::stop() {
   std::lock_guard lock(stop_mu);
   if (stopped_.load(std::memory_order_acquire)) return;
   stopping_.store(true, std::memory_order_release);
-  // Cancel everything alive until nothing is: fibers spawned while unwinding, and queued ones
-  // (listed once they start), get cancelled on a later round. Backs off from 50 us to 5 ms
-  // between rounds.
+  // Cancel everything alive until nothing is: fibers spawned while unwinding get cancelled on
+  // a later round; queued ones, listed only once they start, cancel themselves as they first
+  // run (Processor::prepare_first_run, which lists before it looks at stopping(): either this
+  // loop finds it listed or it sees the flag). Backs off from 50 us to 5 ms between rounds.
   auto pause = std::chrono::microseconds(50);
   while (live_fibers() != 0) {
     registry_.for_each([](Fiber* f) { fiber_cancel(f); });
