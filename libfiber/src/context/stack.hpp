@@ -5,9 +5,10 @@
 //               Linux 6.13, through process_madvise on ourselves: probed), every stack of a page
 //               or more: carved from large shared mappings, the guard pages of a new mapping's
 //               stacks installed by one process_madvise call, no mapping per stack. (The budget
-//               of the path below counts these too, should the kernel refuse markers later.) Elsewhere (or with FIBER_GUARDED_STACKS set), its own
-//               mapping with a PROT_NONE guard page (two kernel mappings, an mmap and an
-//               mprotect), used while the mapping budget allows (StackAllocator::guarded_limit()).
+//               of the path below counts these too, should the kernel refuse markers later.)
+//               Elsewhere (or with FIBER_GUARDED_STACKS set), its own mapping with a PROT_NONE
+//               guard page (two kernel mappings, an mmap and an mprotect), used while the
+//               mapping budget allows (StackAllocator::guarded_limit()).
 //   Unguarded - carved from large shared mappings, no guard page: the fallback once that budget
 //               is spent, so a million fibers fit under vm.max_map_count = 65530.
 //   Compact   - below a page, packed back to back in shared mappings, never guarded: the
@@ -20,9 +21,9 @@
 // used its top page costs one page of RSS.
 #pragma once
 
-#include <cstddef>
 #include <sys/uio.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>

@@ -106,8 +106,8 @@ struct Fiber {
   // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle.
   std::atomic<uint32_t> refs{1};
   uint32_t pin_depth = 0;  // PinGuard nesting; owner only
-  uint32_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
   static constexpr uint32_t kUnlisted = ~0u;
+  uint32_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
 
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes
