@@ -26,6 +26,17 @@
 #define FIBER_HAVE_VALGRIND 1
 #endif
 
+// TSan only: a function it does not instrument (no shadow-stack entry, no checked accesses), and
+// one kept out of line so that it stays instrumented when called from such a function. See
+// Processor::fiber_main.
+#if defined(FIBER_TSAN)
+#define FIBER_TSAN_UNINSTRUMENTED __attribute__((no_sanitize("thread")))
+#define FIBER_TSAN_OUT_OF_LINE __attribute__((noinline))
+#else
+#define FIBER_TSAN_UNINSTRUMENTED
+#define FIBER_TSAN_OUT_OF_LINE
+#endif
+
 namespace fiber::detail {
 
 using RawContext = boost::context::detail::fcontext_t;
@@ -130,9 +141,10 @@ struct SanitizerStack {
 
 // Jump from the running stack `from` to the suspended context `to` (whose stack is `to_stack`).
 // `dying` says the running stack will never be resumed (ASan then frees its fake frames).
-// Returns the Transfer delivered by whoever resumes `from` later.
-inline Transfer jump(RawContext to, SanitizerStack& from, SanitizerStack& to_stack, void* data,
-                     bool dying = false) noexcept {
+// Returns the Transfer delivered by whoever resumes `from` later. Always inline: a dying fiber's
+// last jump never returns, and an out-of-line copy would be one more frame it never leaves.
+[[gnu::always_inline]] inline Transfer jump(RawContext to, SanitizerStack& from, SanitizerStack& to_stack,
+                                            void* data, bool dying = false) noexcept {
   (void)from;
   (void)to_stack;
   (void)dying;

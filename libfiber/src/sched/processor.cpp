@@ -179,7 +179,10 @@ void Processor::check_stack(const Fiber* f) const noexcept {
   if (!f->stack.redzone_intact()) report_stack_overflow(f, "its red zone was written");
 }
 
-Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept {
+// The half of a switch made before the jump: `to` becomes the processor's current fiber, and
+// the message that whoever resumes finishes the switch with (complete_switch).
+[[gnu::always_inline]] inline Processor::SwitchMsg Processor::prepare_switch(Processor* p, Fiber* from,
+                                                                             Fiber* to, After action) noexcept {
   if (!from->is_loop) p->check_stack(from);
   if (!to->is_loop) {
     to->set_state(FiberState::Runnable, FiberState::Running);
@@ -187,12 +190,16 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   }
   p->current_.store(to, std::memory_order_relaxed);
   p->count_switch();  // all the watchdog costs a switch
-  SwitchMsg msg{p, from, to, action};
+  return SwitchMsg{p, from, to, action};
+}
+
+Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept {
+  SwitchMsg msg = prepare_switch(p, from, to, action);
   // errno belongs to the fiber: saved here, restored on whichever thread resumes us. Through
   // each processor's cached errno address, not `errno`: glibc declares __errno_location()
   // `const`, so the compiler could reuse the old thread's address after the jump.
   const int saved_errno = *p->errno_;
-  Transfer t = jump(to->ctx, from->san, to->san, &msg, action == After::Finish);
+  Transfer t = jump(to->ctx, from->san, to->san, &msg);
   // Resumed, possibly on another thread: everything below uses the processor from the message.
   Processor* now = complete_switch(t);
   *now->errno_ = saved_errno;
@@ -234,12 +241,32 @@ void Processor::publish_parked(Fiber* f) noexcept {
   schedule_local(f);
 }
 
-void Processor::fiber_main(Transfer t) noexcept {
+// A fiber's outermost frame, and the one that makes its last switch. That switch never returns,
+// so neither do the frames under it: under TSan each would leave an entry on the shadow stack of
+// the TSan context, which the next fiber on the recycled context would pile onto (65536 entries
+// crash TSan). So this frame is not instrumented (FIBER_TSAN_UNINSTRUMENTED) and makes the last
+// jump itself; the frame under it, fiber_body, is instrumented (every shared access is there)
+// and returns before that jump.
+FIBER_TSAN_UNINSTRUMENTED void Processor::fiber_main(Transfer t) noexcept {
   on_first_entry(static_cast<SwitchMsg*>(t.data)->from->san);
+  SwitchMsg last = fiber_body(t);
+  jump(last.to->ctx, last.from->san, last.to->san, &last, /*dying=*/true);
+  __builtin_unreachable();
+}
+
+// A fiber's life up to its last switch, which it prepares: its message lives on in fiber_main's
+// frame, on the dying stack, until the side switched to has copied it (complete_switch).
+Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
   complete_switch(t);
   run_task(self);
-  finish_current();
+  Processor* p = current_processor();
+  p->count_finish();
+  complete_fiber(self);
+  self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
+  p = current_processor();
+  Fiber* next = p->next_to_run_after(self);
+  return prepare_switch(p, self, next ? next : &p->loop_, After::Finish);
 }
 
 bool Processor::prepare_first_run(Fiber* f) noexcept {
@@ -358,18 +385,6 @@ void Processor::move_current_to(Processor* home) noexcept {
 void Processor::unpin_current() noexcept {
   Fiber* self = current_processor()->current();
   if (--self->pin_depth == 0) self->pinned = nullptr;
-}
-
-void Processor::finish_current() noexcept {
-  Processor* p = current_processor();
-  Fiber* self = p->current();
-  p->count_finish();
-  complete_fiber(self);
-  self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
-  p = current_processor();
-  Fiber* next = p->next_to_run_after(self);
-  switch_to(p, self, next ? next : &p->loop_, After::Finish);
-  __builtin_unreachable();
 }
 
 void Processor::release_finished(Fiber* f) noexcept {

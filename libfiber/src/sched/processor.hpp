@@ -97,7 +97,6 @@ class Processor {
   // Parks the current fiber; its state is already Parking (waiter_prepare) and its wait is
   // visible to wakers. Returns when it has been unparked.
   static void park_current(ParkReason why) noexcept;
-  [[noreturn]] static void finish_current() noexcept;
   // Pins the current fiber to `home` (as PinGuard does) and moves it there if it runs
   // elsewhere: through home's inbox, after the switch away. The I/O engine uses it to withdraw
   // an operation on the processor that owns it. Undo with unpin_current().
@@ -134,9 +133,11 @@ class Processor {
     After action;
   };
 
+  static SwitchMsg prepare_switch(Processor* p, Fiber* from, Fiber* to, After action) noexcept;
   static Processor* switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept;
   static Processor* complete_switch(Transfer t) noexcept;
-  static void fiber_main(Transfer t) noexcept;
+  [[noreturn]] static void fiber_main(Transfer t) noexcept;
+  FIBER_TSAN_OUT_OF_LINE static SwitchMsg fiber_body(Transfer t) noexcept;
   [[gnu::noinline]] void release_finished(Fiber* f) noexcept;
   [[gnu::noinline]] void publish_parked(Fiber* f) noexcept;
 
