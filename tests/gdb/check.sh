@@ -113,7 +113,7 @@ check_output() {  # check_output WHAT FILE
   reject "$what" "$f" beta "park_here_alpha|join_in_gamma"
   expect "$what" "$f" gamma "^#[0-9]+ .*fiber::detail::fiber_join"
   expect "$what" "$f" gamma "^#[0-9]+ .*join_in_gamma \(alpha=.*gdb_target\.cpp:[0-9]+$"
-  expect "$what" "$f" gamma "^ +self = 0x[0-9a-f]+$"  # -full: locals of fiber_main
+  expect "$what" "$f" gamma "^ +self = 0x[0-9a-f]+$"  # -full: locals of fiber_body
   expect "$what" "$f" delta "fiber #$DELTA is running \(processor P[01], gdb thread [0-9]+ \(LWP [0-9]+\)\)"
   reject "$what" "$f" delta "^#"
   expect "$what" "$f" missing "no started fiber #987654321"

@@ -260,11 +260,12 @@ Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
   complete_switch(t);
   run_task(self);
-  Processor* p = current_processor();
-  p->count_finish();
+  current_processor()->count_finish();
   complete_fiber(self);
   self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
-  p = current_processor();
+  // Read after complete_fiber: the unhandled-exception handler it may call can block, and the
+  // fiber resume on another processor.
+  Processor* p = current_processor();
   Fiber* next = p->next_to_run_after(self);
   return prepare_switch(p, self, next ? next : &p->loop_, After::Finish);
 }

@@ -107,8 +107,8 @@ class Processor {
   // spawn and finish counts also make SchedulerImpl::live_fibers(), which stop() waits on:
   // release stores (see there), taken before the fiber can run or be joined. A fiber is
   // counted where it is spawned and where it finishes, on lines no other processor writes.
-  void count_spawn() noexcept { spawned_.store(spawned_.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
-  void count_finish() noexcept { finished_.store(finished_.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+  void count_spawn() noexcept { bump(spawned_, std::memory_order_release); }
+  void count_finish() noexcept { bump(finished_, std::memory_order_release); }
   uint64_t spawned_count() const noexcept { return spawned_.load(std::memory_order_acquire); }
   uint64_t finished_count() const noexcept { return finished_.load(std::memory_order_acquire); }
   void stats_into(ProcessorStats& out) const noexcept;
@@ -162,15 +162,13 @@ class Processor {
   bool transition_from_parked() noexcept;
   bool try_retire() noexcept;
   void check_stack(const Fiber* f) const noexcept;
-  static void bump(std::atomic<uint64_t>& c) noexcept {
-    c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // single writer
+  // Single writer (the owner): a plain load and store, no locked instruction.
+  static void bump(std::atomic<uint64_t>& c, std::memory_order order = std::memory_order_relaxed) noexcept {
+    c.store(c.load(std::memory_order_relaxed) + 1, order);
   }
   // A scheduling point that is not a switch (a yield with nothing else to run).
-  void count_switch() noexcept {
-    // Single writer (the owner): a plain load and store, no locked instruction. Release pairs
-    // with the monitor's acquire in switches().
-    switches_.store(switches_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-  }
+  // Release pairs with the monitor's acquire in switches().
+  void count_switch() noexcept { bump(switches_, std::memory_order_release); }
 
   SchedulerImpl& sched_;
   const uint32_t index_;
