@@ -36,8 +36,8 @@ void sleep_for(std::chrono::duration<Rep, Period> d) {
 
 // Pins the calling fiber to the processor it runs on for the guard's lifetime: it is resumed
 // only there, so thread_local variables keep their meaning across blocking calls. Use it around
-// code that caches thread-local state (see libfiber/README.md, "Migration"). Nests. Throws
-// UsageError from a plain thread.
+// code that caches thread-local state (see libfiber/README.md, "Migration"). Nests, up to 65280
+// deep. Throws UsageError from a plain thread, or nested deeper than that.
 class FIBER_API PinGuard {
  public:
   PinGuard();

@@ -40,11 +40,18 @@ inline constexpr std::size_t kRedZone = 256;
 inline constexpr std::size_t kMinStackSize = 2048;
 inline constexpr std::size_t kDefaultStackSize = 64 * 1024;
 inline constexpr std::size_t kMaxStackSize = std::size_t{1} << 30;
+static_assert(kMaxStackSize <= UINT32_MAX, "Stack::size is 32 bits");
 
+// 16 bytes: it sits in the fiber control block, whose size bounds how many fibers fit in a
+// page of control blocks (see kSmallBlock in sched/runtime.cpp).
 struct Stack {
-  char* lo = nullptr;     // lowest usable address; the canary lives here
-  std::size_t size = 0;   // usable bytes, lo + size is the initial stack pointer
+  char* lo = nullptr;  // lowest usable address; the canary lives here
+  uint32_t size = 0;   // usable bytes, lo + size is the initial stack pointer
   StackKind kind = StackKind::None;
+
+  Stack() = default;
+  Stack(char* lo_, std::size_t size_, StackKind kind_) noexcept
+      : lo(lo_), size(static_cast<uint32_t>(size_)), kind(kind_) {}
 
   char* top() const noexcept { return lo + size; }
   std::size_t usable() const noexcept { return size - kRedZone; }

@@ -85,7 +85,7 @@ struct Fiber {
   // Written by the fiber itself around a park; read racily by dump() and the gdb extension.
   std::atomic<ParkReason> park_reason{ParkReason::None};
   bool is_loop = false;  // a processor's own thread stack, not a real fiber
-  bool pooled_block = false;  // its memory is a pooled control-block slot (runtime.cpp)
+  uint8_t block_class = 0;  // which pool its memory came from (runtime.cpp, BlockClass)
   uint32_t stack_size = 0;  // size class to allocate when first run
   Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
@@ -98,16 +98,19 @@ struct Fiber {
   // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter is armed), kJoinFinished,
   // kJoinDetached. The joiner's wait record lives here, in the control block, rather than on
   // the joiner's stack, so a joiner that gives up (cancelled) never leaves a dangling record.
-  std::atomic<uintptr_t> join_word{0};
-  static constexpr uintptr_t kJoinWaiting = 1;
-  static constexpr uintptr_t kJoinFinished = 2;
-  static constexpr uintptr_t kJoinDetached = 3;
-  Waiter join_waiter;
+  std::atomic<uint32_t> join_word{0};
+  static constexpr uint32_t kJoinWaiting = 1;
+  static constexpr uint32_t kJoinFinished = 2;
+  static constexpr uint32_t kJoinDetached = 3;
   // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle.
   std::atomic<uint32_t> refs{1};
-  uint32_t pin_depth = 0;  // PinGuard nesting; owner only
-  static constexpr uint32_t kUnlisted = ~0u;
-  uint32_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
+  Waiter join_waiter;
+  // PinGuard nesting, plus one while an I/O call holds the fiber on its ring; owner only.
+  uint16_t pin_depth = 0;
+  static constexpr uint16_t kMaxUserPinDepth = 0xff00;  // PinGuard refuses to nest deeper
+  static constexpr uint16_t kUnlisted = 0xffff;  // shards are processor slots: at most 1024
+  uint16_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
+  SanitizerStack san;  // here, not last: in release builds it fills what would be padding
 
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes
@@ -119,8 +122,6 @@ struct Fiber {
   // Registry of started fibers (stop, dump): links guarded by the scheduler's registry lock.
   Fiber* reg_prev = nullptr;
   Fiber* reg_next = nullptr;
-
-  SanitizerStack san;
 
   // Checked transition with a CAS, for steps that may race (rare paths).
   void transition(FiberState from, FiberState to) noexcept {

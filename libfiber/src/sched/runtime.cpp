@@ -77,18 +77,29 @@ std::size_t task_offset(std::size_t task_align) noexcept {
   return align_up(sizeof(Fiber), std::max(task_align, alignof(Fiber)));
 }
 
-// Control blocks (Fiber + task) of up to kBlockSize bytes are slots carved from slabs. Freed
-// slots go to a per-thread cache, which hands batches of kSpill slots to a global list (one lock
+// Control blocks (Fiber + task) of up to kLargeBlock bytes are slots carved from slabs, in two
+// sizes (BlockClass). Freed slots go to a per-thread cache of their size, which hands batches of kSpill slots to a global list (one lock
 // per kSpill slots) and takes them back from it. So a fiber
 // costs two list operations, whether fibers churn (spawn, run, finish) or a million are alive at
 // once; slabs are kept for reuse, never given back (like stacks, see context/stack.hpp). Larger
 // control blocks (big captures) use malloc.
 //
+// Two sizes because a million fibers queued at once (spawn_1t, a burst of connections) are a
+// million control blocks of fresh memory, and committing fresh memory costs this VM about 2 us a
+// page: with 384-byte slots alone that was over half of spawn_1t's time. A Fiber is 208 bytes
+// (static_assert below), so the small slot holds a task of up to 48 bytes: a `go` lambda that
+// captures up to three pointers or values (the task adds 24 bytes; see TaskImpl). The large
+// one holds captures of up to 152 bytes.
+//
 // Slabs are mmap'd. A thread's first is 96 KiB. Past that it is spawning in bulk (fibers queue
 // faster than they finish), and each further slab is 2 MiB, committed by one
 // MADV_POPULATE_WRITE: first touches of fresh slab memory were a page fault per ten control
 // blocks, about 40% of spawn_1t's time.
-constexpr std::size_t kBlockSize = 384;
+constexpr std::size_t kSmallBlock = 256;
+constexpr std::size_t kLargeBlock = 384;
+#if !defined(FIBER_ASAN) && !defined(FIBER_TSAN)  // sanitizer builds keep more per stack
+static_assert(sizeof(Fiber) <= 208, "a Fiber outgrowing 208 bytes leaves the small slot no room for a task");
+#endif
 constexpr std::size_t kSlabBytes = 96 * 1024;
 constexpr std::size_t kBulkSlabBytes = std::size_t{2} << 20;
 constexpr std::size_t kSpill = 2048;
@@ -100,21 +111,26 @@ struct FreeSlot {
   std::size_t batch_count;  // kSpill, fewer for a thread's leftovers at its exit
 };
 
+// One per block size.
+template <std::size_t kBlockSize>
 struct GlobalSlots {
   std::mutex mu;
   FreeSlot* batches = nullptr;  // GUARDED_BY(mu): linked through next_batch
+
+  static GlobalSlots& instance() {
+    static GlobalSlots* g = new GlobalSlots();  // never destroyed: threads may free at exit
+    return *g;
+  }
 };
-GlobalSlots& global_slots() {
-  static GlobalSlots* g = new GlobalSlots();  // never destroyed: threads may free at exit
-  return *g;
-}
 
 // A thread's free slots, in two lists. Frees go to `freed`, and allocations take from it first:
 // the slot freed last is the warmest. Once `freed` holds kSpill slots it goes to the global list
 // whole. When `freed` is empty, allocations take from `head`, a batch taken from the global list.
-// So a thread caches fewer than 2 * kSpill slots, and no step walks a list: a walk of kSpill
-// slots freed by another thread was a cache miss per slot.
+// So a thread caches fewer than 2 * kSpill slots of each size, and no step walks a list: a walk
+// of kSpill slots freed by another thread was a cache miss per slot.
+template <std::size_t kBlockSize>
 struct SlotCache {
+  static_assert(kBlockSize % 64 == 0, "slots start on cache lines");
   FreeSlot* freed = nullptr;  // freed by this thread
   std::size_t freed_count = 0;
   FreeSlot* head = nullptr;   // the rest of a batch from the global list
@@ -140,7 +156,7 @@ struct SlotCache {
     }
   }
   static void give(FreeSlot* batch, std::size_t n) noexcept {
-    GlobalSlots& g = global_slots();
+    GlobalSlots<kBlockSize>& g = GlobalSlots<kBlockSize>::instance();
     batch->batch_count = n;
     std::lock_guard lock(g.mu);
     batch->next_batch = g.batches;
@@ -174,7 +190,7 @@ struct SlotCache {
   }
   // `head` is empty: a batch from the global list. False if there is none.
   bool refill() noexcept {
-    GlobalSlots& g = global_slots();
+    GlobalSlots<kBlockSize>& g = GlobalSlots<kBlockSize>::instance();
     std::lock_guard lock(g.mu);
     if (!g.batches) return false;
     head = g.batches;
@@ -218,34 +234,53 @@ struct SlotCache {
     return reinterpret_cast<char*>(slab);
   }
 };
-__attribute__((tls_model("initial-exec"))) thread_local SlotCache t_slots;
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<kSmallBlock> t_small_slots;
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<kLargeBlock> t_large_slots;
 
-// Both read t_slots, so neither may be inlined (invariant 3): free_block runs in
-// complete_switch, after a jump, and with link-time optimisation a caller could otherwise reuse
-// a thread-local address computed before it.
-__attribute__((noinline)) void* allocate_block(std::size_t size) {
-  if (size > kBlockSize) {
-    void* p = std::malloc(size);
-    if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
-    return p;
-  }
-  return t_slots.allocate();
+// Which of the above a control block came from (Fiber::block_class).
+enum BlockClass : uint8_t { kMallocBlock, kSmallSlot, kLargeSlot };
+
+BlockClass block_class_for(std::size_t size) noexcept {
+  return size <= kSmallBlock ? kSmallSlot : size <= kLargeBlock ? kLargeSlot : kMallocBlock;
 }
 
-__attribute__((noinline)) void free_block(void* p, bool pooled) noexcept {
-  if (!pooled) {
-    std::free(p);
-    return;
+// Both read the thread's slot caches, so neither may be inlined (invariant 3): free_block runs
+// in complete_switch, after a jump, and with link-time optimisation a caller could otherwise
+// reuse a thread-local address computed before it.
+__attribute__((noinline)) void* allocate_block(std::size_t size, BlockClass c) {
+  switch (c) {
+    case kSmallSlot:
+      return t_small_slots.allocate();
+    case kLargeSlot:
+      return t_large_slots.allocate();
+    case kMallocBlock:
+      break;
   }
-  t_slots.free(static_cast<FreeSlot*>(p));
+  void* p = std::malloc(size);
+  if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
+  return p;
+}
+
+__attribute__((noinline)) void free_block(void* p, BlockClass c) noexcept {
+  switch (c) {
+    case kSmallSlot:
+      t_small_slots.free(static_cast<FreeSlot*>(p));
+      return;
+    case kLargeSlot:
+      t_large_slots.free(static_cast<FreeSlot*>(p));
+      return;
+    case kMallocBlock:
+      break;
+  }
+  std::free(p);
 }
 
 void destroy_fiber(Fiber* f) noexcept {
   if (f->task) f->task->~TaskBase();
   delete[] f->name;
-  const bool pooled = f->pooled_block;
+  const auto c = static_cast<BlockClass>(f->block_class);
   f->~Fiber();
-  free_block(f, pooled);
+  free_block(f, c);
 }
 
 SchedulerImpl& target_scheduler(const SpawnOptions& o, const Fiber* cur) {
@@ -270,9 +305,10 @@ Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t 
     throw UsageError("fiber::spawn: the callable's alignment exceeds alignof(std::max_align_t)");
   }
   const std::size_t off = task_offset(task_align);
-  void* mem = allocate_block(off + task_size);  // malloc'd: aligned for max_align_t
+  const BlockClass c = block_class_for(off + task_size);
+  void* mem = allocate_block(off + task_size, c);  // slots and malloc: aligned for max_align_t
   Fiber* f = new (mem) Fiber();
-  f->pooled_block = off + task_size <= kBlockSize;
+  f->block_class = c;
   f->sched = &s;
   f->stack_size = static_cast<uint32_t>(size_class);
   Processor* p = current_processor();
@@ -325,7 +361,7 @@ void complete_fiber(Fiber* f) noexcept {
   // threads alone touch the registry, before the scheduler goes away.
   f->sched->registry().remove(f);
   Group* g = f->group;
-  const uintptr_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
+  const uint32_t old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
   if (old == Fiber::kJoinWaiting) {
     // A waiting fiber lent us a reference to itself (fiber_wait_until): its claim word, which
     // waiter_notify reads, is in its own control block, and it may have given up already.
@@ -371,7 +407,7 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   // record and its parker is never freed, so a thread lends nothing.
   if (self) fiber_retain(self);
   waiter_prepare(f->join_waiter);
-  uintptr_t expected = 0;
+  uint32_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
     waiter_abandon(f->join_waiter);
     if (self) drop_fiber_ref(self);
@@ -398,7 +434,7 @@ bool fiber_finished(const Fiber* f) noexcept {
 }
 
 void fiber_detach(Fiber* f) noexcept {
-  uintptr_t expected = 0;
+  uint32_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinDetached, std::memory_order_acq_rel) &&
       expected == Fiber::kJoinFinished) {
     report_if_unobserved(f);
@@ -441,7 +477,7 @@ void report_stack_overflow(const Fiber* f, const char* how) noexcept {
   const int n = std::snprintf(buf, sizeof buf,
                               "libfiber: stack overflow in fiber #%llu%s%s%s (stack %zu bytes, %s): %s; aborting\n",
                               static_cast<unsigned long long>(f->id), f->name ? " '" : "", f->name ? f->name : "",
-                              f->name ? "'" : "", f->stack.size,
+                              f->name ? "'" : "", static_cast<std::size_t>(f->stack.size),
                               f->stack.kind == StackKind::Guarded ? "guarded" : "unguarded", how);
   if (n > 0) detail::raw::write(2, buf, static_cast<std::size_t>(std::min(n, static_cast<int>(sizeof buf) - 1)));
   std::abort();
@@ -486,7 +522,7 @@ void group_destroy(Group* g) noexcept { delete g; }
 
 void Registry::add(Fiber* f, std::size_t shard) noexcept {
   Shard& s = shards_[shard];
-  f->reg_shard = static_cast<uint32_t>(shard);
+  f->reg_shard = static_cast<uint16_t>(shard);  // below kUnlisted: at most 1024 slots
   std::lock_guard lock(s.mu);
   f->reg_prev = nullptr;
   f->reg_next = s.head;
@@ -565,6 +601,10 @@ void sleep_until(std::chrono::steady_clock::time_point deadline) {
 
 PinGuard::PinGuard() {
   detail::Fiber& f = require_fiber("PinGuard");
+  if (f.pin_depth >= detail::Fiber::kMaxUserPinDepth) {
+    throw UsageError("fiber::this_fiber::PinGuard: nested more than " +
+                     std::to_string(detail::Fiber::kMaxUserPinDepth) + " deep");
+  }
   if (f.pin_depth++ == 0) f.pinned = detail::current_processor();
 }
 

@@ -40,9 +40,9 @@ struct TaskImpl final : ResultSlot<T> {
       ~Drop() { fn.reset(); }
     } drop{fn};
     if constexpr (std::is_void_v<T>) {
-      (*fn)();
+      std::move(*fn)();
     } else {
-      this->value.emplace((*fn)());
+      this->value.emplace(std::move(*fn)());
     }
   }
   std::optional<F> fn;
