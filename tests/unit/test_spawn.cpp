@@ -773,10 +773,11 @@ TEST_CASE("spawn: 40000 fibers in a row on recycled stacks, then one that takes 
 
 namespace {
 // A callable carrying `Bytes` bytes of pattern, counting its live copies, and checking its bytes
-// when it runs: the capture must arrive whole whichever control-block size it lands in.
+// when it runs: the capture must arrive whole whichever control-block size it lands in. When it
+// runs it also records which size that was (Fiber::block_class).
 template <std::size_t Bytes>
 struct Payload {
-  static_assert(Bytes >= 8 && Bytes % 8 == 0);
+  static_assert(Bytes >= 16 && Bytes % 8 == 0);
   std::atomic<int>* live;
   unsigned char bytes[Bytes - 8];
   explicit Payload(std::atomic<int>* l) : live(l) {
@@ -796,44 +797,68 @@ struct Payload {
   }
 };
 
-template <std::size_t Bytes>
-void check_payload(fiber::Scheduler& s, std::atomic<int>& live) {
-  // Joined (value kept in the slot), detached through `go`, and with a bound argument.
-  CHECK(fiber::spawn({.scheduler = &s}, Payload<Bytes>(&live)).join() == static_cast<long>(Bytes));
+// What a Payload fiber reports: the value it computed and the block size it ran in.
+struct PayloadReport {
   std::atomic<long> seen{0};
+  fiber::detail::BlockClass block = fiber::detail::kMallocBlock;
   fiber::WaitGroup wg;
-  wg.add(1);
-  go go_on(s)[&seen, &wg, p = Payload<Bytes>(&live)] {
-    seen = p();
-    wg.done();
+};
+
+// Spawns a Payload<Bytes> joined and detached (`go`), each capturing the Payload and a PayloadReport
+// pointer, and with a bound argument; checks each saw its bytes. In release builds also that the
+// joined and the `go` one landed in the block sizes given (sanitizer builds have a bigger Fiber).
+template <std::size_t Bytes>
+void check_payload(fiber::Scheduler& s, std::atomic<int>& live, fiber::detail::BlockClass joined,
+                   fiber::detail::BlockClass detached) {
+  CAPTURE(Bytes);
+  PayloadReport rj, rd;
+  rd.wg.add(1);
+  fiber::spawn({.scheduler = &s}, [r = &rj, p = Payload<Bytes>(&live)] {
+    r->seen = p();
+    r->block = fiber::detail::current_fiber()->block_class;
+  }).join();
+  go go_on(s)[r = &rd, p = Payload<Bytes>(&live)] {
+    r->seen = p();
+    r->block = fiber::detail::current_fiber()->block_class;
+    r->wg.done();
   };
-  wg.wait();
-  CHECK(seen.load() == static_cast<long>(Bytes));
+  rd.wg.wait();
+  CHECK(rj.seen.load() == static_cast<long>(Bytes));
+  CHECK(rd.seen.load() == static_cast<long>(Bytes));
+  if (!kSanitized) {
+    CHECK(static_cast<int>(rj.block) == static_cast<int>(joined));
+    CHECK(static_cast<int>(rd.block) == static_cast<int>(detached));
+  }
   auto with_arg = [](const Payload<Bytes>& p, long k) { return p() + k; };
   CHECK(fiber::spawn({.scheduler = &s}, with_arg, Payload<Bytes>(&live), 1000L).join() ==
         static_cast<long>(Bytes) + 1000);
 }
 }  // namespace
 
-TEST_CASE("spawn: callables of every size run with their captures whole, and are destroyed") {
-  // Control blocks come in two slot sizes and malloc beyond them (sched/runtime.cpp): captures
-  // from one pointer to past the larger slot, each spawned from a plain thread and from a fiber.
+TEST_CASE("spawn: callables of every size run with their captures whole, in the block size that fits") {
+  // Control blocks are slots of 192, 256 or 384 bytes, or malloc'd past that (sched/runtime.cpp).
+  // A `go` fiber's is the Fiber (144 bytes) and its task: 16 bytes and the callable in an
+  // optional, here a pointer and the Payload, so 176 + Bytes. A joinable fiber's also holds the
+  // joiner's wait record (64 bytes): 240 + Bytes. Sizes on each side of every boundary, each
+  // spawned from a plain thread and from a fiber.
+  using namespace fiber::detail;
   for_each_proc_count([](fiber::Scheduler& s, int) {
     std::atomic<int> live{0};
     auto all_sizes = [&] {
-      check_payload<8>(s, live);
-      check_payload<24>(s, live);
-      check_payload<32>(s, live);
-      check_payload<48>(s, live);
-      check_payload<160>(s, live);
-      check_payload<176>(s, live);
-      check_payload<192>(s, live);
-      check_payload<1024>(s, live);
+      check_payload<16>(s, live, kSlot256, kSlot192);  // 256 joined, 192 go: both exactly full
+      check_payload<24>(s, live, kSlot384, kSlot256);
+      check_payload<80>(s, live, kSlot384, kSlot256);  // go: 256, exactly full
+      check_payload<88>(s, live, kSlot384, kSlot384);
+      check_payload<144>(s, live, kSlot384, kSlot384);  // joined: 384, exactly full
+      check_payload<152>(s, live, kMallocBlock, kSlot384);
+      check_payload<208>(s, live, kMallocBlock, kSlot384);  // go: 384, exactly full
+      check_payload<216>(s, live, kMallocBlock, kMallocBlock);
+      check_payload<1024>(s, live, kMallocBlock, kMallocBlock);
     };
     all_sizes();
     fiber::block_on({.scheduler = &s}, all_sizes);
     // Each callable goes as soon as its fiber returns; the detached ones may still be on their
-    // way out of complete_fiber when wg.wait() returns, so wait for the count.
+    // way out when wg.wait() returns, so wait for the count.
     CHECK(wait_for([&] { return live.load() == 0; }));
   });
 }

@@ -50,7 +50,7 @@ struct SpawnRequest {
 };
 
 // The callable a fiber runs: f itself when there are no arguments (no wrapper, no empty tuple:
-// eight bytes less in the control block, see kSmallBlock in sched/runtime.cpp), else f with its
+// eight bytes less in the control block, see block_class_for in sched/runtime.cpp), else f with its
 // arguments bound. Either way it is invoked once, as an rvalue (TaskImpl::run).
 template <typename F, typename... Args>
 auto bind_call(F&& f, Args&&... args) {
@@ -210,7 +210,7 @@ auto submit_call(const SpawnRequest& req, Call&& call, bool joinable) {
   using T = std::invoke_result_t<Call>;
   using Task = TaskImpl<Call, T>;
   void* mem = nullptr;
-  Fiber* fib = fiber_create(req, sizeof(Task), alignof(Task), &mem);
+  Fiber* fib = fiber_create(req, joinable, sizeof(Task), alignof(Task), &mem);
   Task* task;
   try {
     task = new (mem) Task(std::move(call));

@@ -43,7 +43,7 @@ inline constexpr std::size_t kMaxStackSize = std::size_t{1} << 30;
 static_assert(kMaxStackSize <= UINT32_MAX, "Stack::size is 32 bits");
 
 // 16 bytes: it sits in the fiber control block, whose size bounds how many fibers fit in a
-// page of control blocks (see kSmallBlock in sched/runtime.cpp).
+// page of control blocks (see block_class_for in sched/runtime.cpp).
 struct Stack {
   char* lo = nullptr;  // lowest usable address; the canary lives here
   uint32_t size = 0;   // usable bytes, lo + size is the initial stack pointer

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <new>
+#include <type_traits>
 
 #include "context/stack.hpp"
 #include "context/switch.hpp"
@@ -32,6 +34,10 @@ namespace fiber::detail {
 class Processor;
 class SchedulerImpl;
 class Group;
+
+// Where a control block's memory came from (runtime.cpp): a slot of 192, 256 or 384 bytes, or
+// malloc for bigger ones.
+enum BlockClass : uint8_t { kMallocBlock, kSlot192, kSlot256, kSlot384 };
 
 enum class FiberState : uint8_t { Created, Runnable, Running, Parking, Parked, Notified, Finished };
 const char* fiber_state_name(FiberState s) noexcept;
@@ -85,7 +91,7 @@ struct Fiber {
   // Written by the fiber itself around a park; read racily by dump() and the gdb extension.
   std::atomic<ParkReason> park_reason{ParkReason::None};
   bool is_loop = false;  // a processor's own thread stack, not a real fiber
-  uint8_t block_class = 0;  // which pool its memory came from (runtime.cpp, BlockClass)
+  BlockClass block_class = kMallocBlock;  // which pool its memory came from
   uint32_t stack_size = 0;  // size class to allocate when first run
   Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
@@ -95,16 +101,14 @@ struct Fiber {
 
   // ---- waits. CAS'd by wakers from any thread, see WakeWord and wait.cpp.
   std::atomic<uint64_t> wake_word{WakeWord{0, false, WakeReason::Notified}.pack()};
-  // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter is armed), kJoinFinished,
-  // kJoinDetached. The joiner's wait record lives here, in the control block, rather than on
-  // the joiner's stack, so a joiner that gives up (cancelled) never leaves a dangling record.
+  // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter() is armed), kJoinFinished,
+  // kJoinDetached.
   std::atomic<uint32_t> join_word{0};
   static constexpr uint32_t kJoinWaiting = 1;
   static constexpr uint32_t kJoinFinished = 2;
   static constexpr uint32_t kJoinDetached = 3;
   // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle.
   std::atomic<uint32_t> refs{1};
-  Waiter join_waiter;
   // PinGuard nesting, plus one while an I/O call holds the fiber on its ring; owner only.
   uint16_t pin_depth = 0;
   static constexpr uint16_t kMaxUserPinDepth = 0xff00;  // PinGuard refuses to nest deeper
@@ -122,6 +126,14 @@ struct Fiber {
   // Registry of started fibers (stop, dump): links guarded by the scheduler's registry lock.
   Fiber* reg_prev = nullptr;
   Fiber* reg_next = nullptr;
+
+  // The joiner's wait record. It lives with the control block rather than on the joiner's
+  // stack, so a joiner that gives up (cancelled) never leaves a dangling record; and only a
+  // fiber spawned with a JoinHandle has one, right after the Fiber (fiber_create), so `go`
+  // fibers do without its 64 bytes. Call it only for those: only a JoinHandle waits.
+  Waiter& join_waiter() noexcept {
+    return *std::launder(reinterpret_cast<Waiter*>(reinterpret_cast<char*>(this) + sizeof(Fiber)));
+  }
 
   // Checked transition with a CAS, for steps that may race (rare paths).
   void transition(FiberState from, FiberState to) noexcept {
@@ -141,6 +153,8 @@ struct Fiber {
   }
   [[noreturn]] void bad_transition(FiberState actual, FiberState from, FiberState to) const noexcept;
 };
+static_assert(sizeof(Fiber) % alignof(Waiter) == 0, "join_waiter() follows the Fiber");
+static_assert(std::is_trivially_destructible_v<Waiter>, "a fiber's join record is never destroyed");
 
 // The current processor and fiber of this thread. Read through these non-inlined accessors
 // only: a fiber may resume on another thread after any switch, and the compiler may otherwise

@@ -73,32 +73,32 @@ void report_if_unobserved(Fiber* f) noexcept {
 
 constexpr std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) & ~(a - 1); }
 
-std::size_t task_offset(std::size_t task_align) noexcept {
-  return align_up(sizeof(Fiber), std::max(task_align, alignof(Fiber)));
+// Where the task goes in a control block: after the Fiber and, for a joinable fiber, its join
+// record (Fiber::join_waiter()).
+std::size_t task_offset(bool joinable, std::size_t task_align) noexcept {
+  return align_up(sizeof(Fiber) + (joinable ? sizeof(Waiter) : 0), std::max(task_align, alignof(Fiber)));
 }
 
-// Control blocks (Fiber + task) of up to kLargeBlock bytes are slots carved from slabs, in two
-// sizes (BlockClass). Freed slots go to a per-thread cache of their size, which hands batches of kSpill slots to a global list (one lock
-// per kSpill slots) and takes them back from it. So a fiber
-// costs two list operations, whether fibers churn (spawn, run, finish) or a million are alive at
-// once; slabs are kept for reuse, never given back (like stacks, see context/stack.hpp). Larger
-// control blocks (big captures) use malloc.
+// Control blocks (Fiber, join record, task) of up to 384 bytes are slots carved from slabs, in
+// three sizes (BlockClass). Freed slots go to a per-thread cache of their size, which hands
+// batches of kSpill slots to a global list (one lock per kSpill slots) and takes them back from
+// it. So a fiber costs two list operations, whether fibers churn (spawn, run, finish) or a
+// million are alive at once; slabs are kept for reuse, never given back (like stacks, see
+// context/stack.hpp). Larger control blocks (big captures) use malloc.
 //
-// Two sizes because a million fibers queued at once (spawn_1t, a burst of connections) are a
+// Sizes matter because a million fibers queued at once (spawn_1t, a burst of connections) are a
 // million control blocks of fresh memory, and committing fresh memory costs this VM about 2 us a
-// page: with 384-byte slots alone that was over half of spawn_1t's time. A Fiber is 208 bytes
-// (static_assert below), so the small slot holds a task of up to 48 bytes: a `go` lambda that
-// captures up to three pointers or values (the task adds 24 bytes; see TaskImpl). The large
-// one holds captures of up to 152 bytes.
+// page: with one 384-byte size that was over half of spawn_1t's time. A Fiber is 144 bytes
+// (static_assert below) and a task at least 24 (TaskImpl: a vtable, the exception, the callable
+// in an optional). So a `go` lambda capturing up to three pointers or values takes 192 bytes; a
+// fiber::spawn one, with its 64-byte join record and result slot, 256 or 384.
 //
 // Slabs are mmap'd. A thread's first is 96 KiB. Past that it is spawning in bulk (fibers queue
 // faster than they finish), and each further slab is 2 MiB, committed by one
 // MADV_POPULATE_WRITE: first touches of fresh slab memory were a page fault per ten control
 // blocks, about 40% of spawn_1t's time.
-constexpr std::size_t kSmallBlock = 256;
-constexpr std::size_t kLargeBlock = 384;
 #if !defined(FIBER_ASAN) && !defined(FIBER_TSAN)  // sanitizer builds keep more per stack
-static_assert(sizeof(Fiber) <= 208, "a Fiber outgrowing 208 bytes leaves the small slot no room for a task");
+static_assert(sizeof(Fiber) <= 144, "a Fiber outgrowing 144 bytes leaves the 192-byte slot no room for a task");
 #endif
 constexpr std::size_t kSlabBytes = 96 * 1024;
 constexpr std::size_t kBulkSlabBytes = std::size_t{2} << 20;
@@ -144,6 +144,11 @@ struct SlotCache {
   ~SlotCache() {
     if (head) give(head, count);
     if (freed) give(freed, freed_count);
+    // Emptied, not just handed over: a free after this (another thread_local's destructor
+    // dropping the last JoinHandle) starts a new list, leaked with the thread, instead of
+    // linking into slots the global list now hands to others.
+    head = freed = nullptr;
+    count = freed_count = 0;
     while (bump != bump_end) {
       FreeSlot* batch = nullptr;
       std::size_t n = 0;
@@ -234,14 +239,14 @@ struct SlotCache {
     return reinterpret_cast<char*>(slab);
   }
 };
-__attribute__((tls_model("initial-exec"))) thread_local SlotCache<kSmallBlock> t_small_slots;
-__attribute__((tls_model("initial-exec"))) thread_local SlotCache<kLargeBlock> t_large_slots;
-
-// Which of the above a control block came from (Fiber::block_class).
-enum BlockClass : uint8_t { kMallocBlock, kSmallSlot, kLargeSlot };
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<192> t_slots192;
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<256> t_slots256;
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<384> t_slots384;
 
 BlockClass block_class_for(std::size_t size) noexcept {
-  return size <= kSmallBlock ? kSmallSlot : size <= kLargeBlock ? kLargeSlot : kMallocBlock;
+  if (size <= 192) return kSlot192;
+  if (size <= 256) return kSlot256;
+  return size <= 384 ? kSlot384 : kMallocBlock;
 }
 
 // Both read the thread's slot caches, so neither may be inlined (invariant 3): free_block runs
@@ -249,10 +254,12 @@ BlockClass block_class_for(std::size_t size) noexcept {
 // reuse a thread-local address computed before it.
 __attribute__((noinline)) void* allocate_block(std::size_t size, BlockClass c) {
   switch (c) {
-    case kSmallSlot:
-      return t_small_slots.allocate();
-    case kLargeSlot:
-      return t_large_slots.allocate();
+    case kSlot192:
+      return t_slots192.allocate();
+    case kSlot256:
+      return t_slots256.allocate();
+    case kSlot384:
+      return t_slots384.allocate();
     case kMallocBlock:
       break;
   }
@@ -263,11 +270,14 @@ __attribute__((noinline)) void* allocate_block(std::size_t size, BlockClass c) {
 
 __attribute__((noinline)) void free_block(void* p, BlockClass c) noexcept {
   switch (c) {
-    case kSmallSlot:
-      t_small_slots.free(static_cast<FreeSlot*>(p));
+    case kSlot192:
+      t_slots192.free(static_cast<FreeSlot*>(p));
       return;
-    case kLargeSlot:
-      t_large_slots.free(static_cast<FreeSlot*>(p));
+    case kSlot256:
+      t_slots256.free(static_cast<FreeSlot*>(p));
+      return;
+    case kSlot384:
+      t_slots384.free(static_cast<FreeSlot*>(p));
       return;
     case kMallocBlock:
       break;
@@ -278,7 +288,7 @@ __attribute__((noinline)) void free_block(void* p, BlockClass c) noexcept {
 void destroy_fiber(Fiber* f) noexcept {
   if (f->task) f->task->~TaskBase();
   delete[] f->name;
-  const auto c = static_cast<BlockClass>(f->block_class);
+  const BlockClass c = f->block_class;
   f->~Fiber();
   free_block(f, c);
 }
@@ -293,7 +303,8 @@ SchedulerImpl& target_scheduler(const SpawnOptions& o, const Fiber* cur) {
 
 uint64_t allocate_fiber_ids(uint64_t n) noexcept { return g_next_id.fetch_add(n, std::memory_order_relaxed); }
 
-Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t task_align, void** task_storage) {
+Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_size, std::size_t task_align,
+                    void** task_storage) {
   Fiber* cur = current_fiber();
   SchedulerImpl& s = target_scheduler(req.options, cur);
   if (s.stopping() && (cur == nullptr || cur->sched != &s)) {
@@ -304,10 +315,11 @@ Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t 
   if (task_align > alignof(std::max_align_t)) {
     throw UsageError("fiber::spawn: the callable's alignment exceeds alignof(std::max_align_t)");
   }
-  const std::size_t off = task_offset(task_align);
+  const std::size_t off = task_offset(joinable, task_align);
   const BlockClass c = block_class_for(off + task_size);
   void* mem = allocate_block(off + task_size, c);  // slots and malloc: aligned for max_align_t
   Fiber* f = new (mem) Fiber();
+  if (joinable) new (static_cast<char*>(mem) + sizeof(Fiber)) Waiter();
   f->block_class = c;
   f->sched = &s;
   f->stack_size = static_cast<uint32_t>(size_class);
@@ -365,8 +377,8 @@ void complete_fiber(Fiber* f) noexcept {
   if (old == Fiber::kJoinWaiting) {
     // A waiting fiber lent us a reference to itself (fiber_wait_until): its claim word, which
     // waiter_notify reads, is in its own control block, and it may have given up already.
-    Fiber* joiner = f->join_waiter.fiber;
-    waiter_notify(f->join_waiter);
+    Fiber* joiner = f->join_waiter().fiber;
+    waiter_notify(f->join_waiter());
     if (joiner) drop_fiber_ref(joiner);
   } else if (old == Fiber::kJoinDetached) {
     report_if_unobserved(f);  // detached: `go` fibers are born so, and a dropped handle detaches
@@ -406,17 +418,17 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   // nobody will notify (nothing published, or withdrawn). A thread's claim word is in the
   // record and its parker is never freed, so a thread lends nothing.
   if (self) fiber_retain(self);
-  waiter_prepare(f->join_waiter);
+  waiter_prepare(f->join_waiter());
   uint32_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
-    waiter_abandon(f->join_waiter);
+    waiter_abandon(f->join_waiter());
     if (self) drop_fiber_ref(self);
     if (expected != Fiber::kJoinFinished) throw busy();
     return true;  // it finished in between
   }
   const WakeReason r =
-      timed ? waiter_wait_until(f->join_waiter, ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))
-            : waiter_wait(f->join_waiter, ParkReason::Join);
+      timed ? waiter_wait_until(f->join_waiter(), ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))
+            : waiter_wait(f->join_waiter(), ParkReason::Join);
   if (r == WakeReason::Notified) return true;
   // Timed out or cancelled: withdraw. If it finished meanwhile, its claim failed on our ended
   // wait, it keeps the lent reference to drop, and it is finished for the caller. Either way

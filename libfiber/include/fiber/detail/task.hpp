@@ -50,8 +50,9 @@ struct TaskImpl final : ResultSlot<T> {
 
 struct SpawnRequest;  // fiber/spawn.hpp
 
-// Allocates a control block with room for a task of `size` bytes; returns the task storage.
-FIBER_API Fiber* fiber_create(const SpawnRequest& req, std::size_t task_size, std::size_t task_align,
+// Allocates a control block with room for a task of `task_size` bytes (and, when `joinable`, for
+// a JoinHandle's wait record); returns the task storage through `task_storage`.
+FIBER_API Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_size, std::size_t task_align,
                               void** task_storage);
 // Hands a created fiber (whose task is constructed) to its scheduler. `joinable` keeps a
 // reference for a JoinHandle.
