@@ -50,8 +50,8 @@ struct SpawnRequest {
 };
 
 // The callable a fiber runs: f itself when there are no arguments (no wrapper, no empty tuple:
-// eight bytes less in the control block, see block_class_for in sched/runtime.cpp), else f with its
-// arguments bound. Either way it is invoked once, as an rvalue (TaskImpl::run).
+// eight bytes less in the control block, see block_class_for in sched/runtime.cpp), else f
+// with its arguments bound. Either way it is invoked once, as an rvalue (TaskImpl::run).
 template <typename F, typename... Args>
 auto bind_call(F&& f, Args&&... args) {
   if constexpr (sizeof...(Args) == 0) {

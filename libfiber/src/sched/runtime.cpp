@@ -249,40 +249,30 @@ BlockClass block_class_for(std::size_t size) noexcept {
   return size <= 384 ? kSlot384 : kMallocBlock;
 }
 
+// fn(cache) with this thread's cache for slot class `c` (not kMallocBlock).
+template <typename Fn>
+decltype(auto) with_slot_cache(BlockClass c, Fn&& fn) {
+  if (c == kSlot192) return fn(t_slots192);
+  if (c == kSlot256) return fn(t_slots256);
+  return fn(t_slots384);
+}
+
 // Both read the thread's slot caches, so neither may be inlined (invariant 3): free_block runs
 // in complete_switch, after a jump, and with link-time optimisation a caller could otherwise
 // reuse a thread-local address computed before it.
 __attribute__((noinline)) void* allocate_block(std::size_t size, BlockClass c) {
-  switch (c) {
-    case kSlot192:
-      return t_slots192.allocate();
-    case kSlot256:
-      return t_slots256.allocate();
-    case kSlot384:
-      return t_slots384.allocate();
-    case kMallocBlock:
-      break;
-  }
+  if (c != kMallocBlock) return with_slot_cache(c, [](auto& cache) { return cache.allocate(); });
   void* p = std::malloc(size);
   if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
   return p;
 }
 
 __attribute__((noinline)) void free_block(void* p, BlockClass c) noexcept {
-  switch (c) {
-    case kSlot192:
-      t_slots192.free(static_cast<FreeSlot*>(p));
-      return;
-    case kSlot256:
-      t_slots256.free(static_cast<FreeSlot*>(p));
-      return;
-    case kSlot384:
-      t_slots384.free(static_cast<FreeSlot*>(p));
-      return;
-    case kMallocBlock:
-      break;
+  if (c == kMallocBlock) {
+    std::free(p);
+    return;
   }
-  std::free(p);
+  with_slot_cache(c, [p](auto& cache) { cache.free(static_cast<FreeSlot*>(p)); });
 }
 
 void destroy_fiber(Fiber* f) noexcept {
