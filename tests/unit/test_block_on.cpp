@@ -281,3 +281,71 @@ TEST_CASE("block_on: from several plain threads at once") {
     quiesce(s);
   });
 }
+
+// A processor tells a group about the members that finished on it in one step, when it turns
+// to other work (the group's debt, sched/group.hpp). Here the other work never ends on its
+// own: fibers outside the group - plain ones, and the root of another thread's block_on - that
+// yield until the first block_on has returned. If a processor kept its debt while running
+// them, nothing would ever wake the waiter, and the watchdog would fail the run.
+TEST_CASE("block_on: returns while its processors go on running other fibers") {
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int n) {
+        std::atomic<bool> released{false};
+        std::vector<fiber::JoinHandle<void>> spinners;
+        for (int i = 0; i < n; ++i) {
+          spinners.push_back(fiber::spawn({.scheduler = &s}, [&] {
+            while (!released.load()) fiber::this_fiber::yield();
+          }));
+        }
+        std::atomic<bool> other_group_running{false};
+        std::thread other([&] {
+          fiber::block_on({.scheduler = &s}, [&] {
+            other_group_running = true;
+            while (!released.load()) fiber::this_fiber::yield();
+          });
+        });
+        REQUIRE(wait_for([&] { return other_group_running.load(); }));
+        for (int round = 0; round < 50; ++round) {
+          std::atomic<int> done{0};
+          fiber::block_on({.scheduler = &s}, [&] {
+            for (int k = 0; k < 8; ++k) {
+              go[&done] { done.fetch_add(1); };
+              if (k % 3 == 0) fiber::this_fiber::yield();
+            }
+          });
+          CHECK(done.load() == 8);
+        }
+        released = true;
+        other.join();
+        for (auto& h : spinners) h.join();
+      },
+      kProcCounts, true, 20'000ms);
+}
+
+namespace {
+// A tree of `fanout`^depth leaves; every node yields between spawns, so members spawn on
+// processors that owe the group for members finished there, and finish wherever they were
+// stolen to.
+void grow_tree(std::atomic<int>& finished, int depth, int fanout) {
+  if (depth > 0) {
+    for (int i = 0; i < fanout; ++i) {
+      go[&finished, depth, fanout] { grow_tree(finished, depth - 1, fanout); };
+      if (i % 2 == 1) fiber::this_fiber::yield();
+    }
+  }
+  finished.fetch_add(1);
+}
+}  // namespace
+
+TEST_CASE("block_on: counts its members exactly while they spawn, yield and finish everywhere") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kNodes = 1 + 4 + 16 + 64;  // depth 3, fan-out 4
+    int early = 0;
+    for (int round = 0; round < 300; ++round) {
+      std::atomic<int> finished{0};
+      fiber::block_on({.scheduler = &s}, [&] { grow_tree(finished, 3, 4); });
+      if (finished.load() != kNodes) ++early;  // returned before every member finished
+    }
+    CHECK(early == 0);
+  });
+}

@@ -3,6 +3,22 @@
 //
 // Fibers inherit their spawner's group through the control block, not a thread_local: a fiber
 // may migrate, and the group belongs to the fiber, not the thread.
+//
+// Counting without a shared line per fiber. A group's members are spawned on one processor and
+// often finish on another (stolen), so one counter word touched by both would move between
+// their caches once per fiber. Instead a processor keeps a *debt*: members of one group that
+// finished on it and are not yet taken off `pending_` (Processor::group_member_done). With D the
+// sum of all processors' debts and T the group's unfinished members (plus the creator's token):
+//
+//   pending_ == T + D, every debt >= 0      so pending_ reaches zero only when T == D == 0;
+//   a processor owes a group only while it runs one of the group's fibers, or is between two of
+//   them (finishing one, finding the next)      so while it owes, T >= 1, and a debt is settled
+//   (one fetch_sub) as soon as the processor turns to anything else: another group's fiber, a
+//   plain one, its loop, or sleep (Processor::settle_group_debt).
+//
+// A member spawned on a processor that owes its group pays off one unit of the debt instead of
+// adding to `pending_` (T and D move by one each, pending_ does not). A spawn is never deferred
+// the other way: the new fiber may finish on another processor at once.
 #pragma once
 
 #include <atomic>
@@ -20,15 +36,18 @@ class Group {
   Group() = default;
 
   void add() noexcept { pending_.fetch_add(1, std::memory_order_relaxed); }
-  // A member finished. The group may be destroyed by the waiter as soon as this returns.
-  void done() noexcept;
+  // `n` members finished (n >= 1). The group may be destroyed by the waiter as soon as this
+  // returns.
+  void done(std::size_t n = 1) noexcept;
   // Gives back the creator's token and waits for every member. Throws Cancelled if the waiting
   // fiber is cancelled.
   void wait();
 
  private:
-  // Members still running plus the creator's token. The decrement that reaches zero is ordered
-  // (acq_rel) after every member's writes, and the waiter reads them after `finished_`.
+  // Members still running plus the creator's token plus the processors' debts (see above). The
+  // decrement that reaches zero is ordered (acq_rel) after every member's writes - a debt is
+  // settled by the thread its members finished on, after their last writes there - and the
+  // waiter reads them after `finished_`.
   std::atomic<std::size_t> pending_{1};
   SpinLock mu_;
   bool finished_ = false;     // GUARDED_BY(mu_)

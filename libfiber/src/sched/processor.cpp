@@ -153,6 +153,7 @@ void Processor::thread_main() {
       park_thread();
     }
   }
+  settle_group_debt();
   if (searching_) {
     sched_.idle().transition_from_searching();
     searching_ = false;
@@ -301,6 +302,7 @@ void Processor::run(Fiber* f) noexcept {
     drop_fiber_ref(f);
     return;
   }
+  settle_group_debt_before(f);
   switch_to(this, &loop_, f, After::Nothing);
 }
 
@@ -329,8 +331,9 @@ bool is_compact(const Fiber* f) noexcept { return f->stack.kind == StackKind::Co
     }
     if ((next->ctx == nullptr && !prepare_first_run(next)) || is_compact(next)) [[unlikely]] {
       schedule_local(next);
-      return &loop_;
+      return &loop_;  // the loop settles any group debt (run, park_thread)
     }
+    settle_group_debt_before(next);
     return next;
   }
 }
@@ -401,6 +404,13 @@ void Processor::release_finished(Fiber* f) noexcept {
 }
 
 // ------------------------------------------------------------------------------ scheduling
+
+void Processor::settle_group_debt() noexcept {
+  if (group_debt_ == 0) return;
+  const std::size_t n = group_debt_;
+  group_debt_ = 0;
+  debt_group_->done(n);  // may wake the group's waiter, here or elsewhere
+}
 
 void Processor::schedule_local(Fiber* f) noexcept {
   Fiber* prev = lifo_.exchange(f, std::memory_order_acq_rel);
@@ -615,6 +625,7 @@ bool Processor::try_retire() noexcept {
 }
 
 void Processor::park_thread() noexcept {
+  settle_group_debt();  // first: it may wake a waiter onto this processor
   if (!transition_to_parked()) return;
   const int64_t retire_after = retirable_ ? sched_.retire_after_ns() : 0;
   int64_t idle_since = retirable_ ? steady_now_ns() : 0;

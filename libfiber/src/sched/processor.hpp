@@ -119,6 +119,26 @@ class Processor {
   // ---- Executed only by the owner thread (fiber or loop context).
   void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
   [[gnu::noinline]] void schedule_yield(Fiber* f) noexcept;  // a yielding fiber: tail of the queue
+  // block_on group counts, kept as a debt (sched/group.hpp). A member of `g` finished here.
+  void group_member_done(Group* g) noexcept {
+    if (g != debt_group_) {
+      settle_group_debt();
+      debt_group_ = g;
+    }
+    ++group_debt_;
+  }
+  // A member of `g` is being spawned here: true if it paid off a unit of our debt to `g`, and
+  // the group's count must not be raised for it.
+  bool group_member_spawned(Group* g) noexcept {
+    if (g != debt_group_ || group_debt_ == 0) return false;
+    --group_debt_;
+    return true;
+  }
+  // Before running `next`: a debt to any other group is settled.
+  void settle_group_debt_before(const Fiber* next) noexcept {
+    if (group_debt_ != 0 && next->group != debt_group_) [[unlikely]] settle_group_debt();
+  }
+  [[gnu::noinline]] void settle_group_debt() noexcept;
 
   // ---- Any thread.
   void push_inbox(Fiber* f) noexcept;  // fibers pinned here, woken elsewhere
@@ -192,6 +212,11 @@ class Processor {
   uint32_t rng_;            // victim selection
   uint64_t id_next_ = 0, id_end_ = 0;  // block of fiber ids
   std::optional<StackCache> stacks_;   // made when the thread starts, emptied when it retires
+  // Members of debt_group_ that finished here, not yet taken off its count. Nonzero only while
+  // this thread runs a fiber of that group or is between two of them: settled before it runs
+  // anything else (next_to_run_after, run), before it sleeps (park_thread), and when it ends.
+  Group* debt_group_ = nullptr;
+  std::size_t group_debt_ = 0;
   Fiber* refill_scratch_[RunQueue::capacity() / 2];  // refill_from_injector's batch (owner only)
   // Counters for stats(): single writer (the owner), relaxed (spawned_ and finished_: release,
   // see count_spawn()); readers may see them a few events apart from each other.

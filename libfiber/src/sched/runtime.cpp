@@ -337,8 +337,8 @@ void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
   } else {
     f->join_word.store(Fiber::kJoinDetached, std::memory_order_relaxed);  // `go`: born detached
   }
-  if (f->group) f->group->add();
   Processor* p = current_processor();
+  if (f->group && !(p && p->group_member_spawned(f->group))) f->group->add();
   const bool local = p != nullptr && &p->sched() == f->sched;
   f->set_state(FiberState::Created, FiberState::Runnable);  // not yet visible to anyone
   if (local) {
@@ -373,7 +373,13 @@ void complete_fiber(Fiber* f) noexcept {
   } else if (old == Fiber::kJoinDetached) {
     report_if_unobserved(f);  // detached: `go` fibers are born so, and a dropped handle detaches
   }
-  if (g) g->done();
+  if (g) {
+    if (Processor* p = current_processor()) {
+      p->group_member_done(g);  // settled when that processor leaves the group (group.hpp)
+    } else {
+      g->done();
+    }
+  }
 }
 
 void drop_fiber_ref(Fiber* f) noexcept {
@@ -487,8 +493,8 @@ void report_stack_overflow(const Fiber* f, const char* how) noexcept {
 
 // ------------------------------------------------------------------------------ groups
 
-void Group::done() noexcept {
-  if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+void Group::done(std::size_t n) noexcept {
+  if (pending_.fetch_sub(n, std::memory_order_acq_rel) != n) return;
   Waiter* w = nullptr;
   {
     std::lock_guard lock(mu_);
