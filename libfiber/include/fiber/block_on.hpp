@@ -13,6 +13,10 @@
 // the count of unfinished members reaches zero, then yields the root's value or rethrows its
 // exception (wait_all: the first failing root's, in argument order). Callable from main or any
 // plain thread (blocks it) and from a fiber (parks it).
+//
+// Cancelling a fiber waiting in block_on / wait_all ends the wait with fiber::Cancelled at once.
+// The group's fibers are not cancelled by that: they run on, detached, and an exception a root
+// throws then is reported as unobserved.
 #pragma once
 
 #include <exception>
@@ -31,11 +35,13 @@ namespace detail {
 // A block_on group: counts unfinished member fibers.
 FIBER_API Group* group_create();
 FIBER_API void group_wait(Group* g);  // until no member is unfinished
-FIBER_API void group_destroy(Group* g) noexcept;
+// The creator is done with the group: freed now, or by its last member to finish if the wait
+// was cancelled (or never made, the spawn having thrown).
+FIBER_API void group_release(Group* g) noexcept;
 
 struct GroupGuard {
   Group* g = group_create();
-  ~GroupGuard() { group_destroy(g); }
+  ~GroupGuard() { group_release(g); }
 };
 
 template <typename T>

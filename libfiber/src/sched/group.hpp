@@ -42,6 +42,10 @@ class Group {
   // Gives back the creator's token and waits for every member. Throws Cancelled if the waiting
   // fiber is cancelled.
   void wait();
+  // The creator is done with the group (after wait(), or instead of it if spawning threw):
+  // deletes it now if every member has finished, else leaves that to the last member's done().
+  // The creator's token, if wait() did not give it back, is given back here.
+  void release() noexcept;
 
  private:
   // Members still running plus the creator's token plus the processors' debts (see above). The
@@ -51,7 +55,9 @@ class Group {
   std::atomic<std::size_t> pending_{1};
   SpinLock mu_;
   bool finished_ = false;     // GUARDED_BY(mu_)
+  bool released_ = false;     // GUARDED_BY(mu_): the creator left first; the last done() deletes
   Waiter* waiter_ = nullptr;  // GUARDED_BY(mu_)
+  bool token_returned_ = false;  // the creator's only (wait() and release())
 };
 
 }  // namespace fiber::detail

@@ -496,17 +496,40 @@ void report_stack_overflow(const Fiber* f, const char* how) noexcept {
 void Group::done(std::size_t n) noexcept {
   if (pending_.fetch_sub(n, std::memory_order_acq_rel) != n) return;
   Waiter* w = nullptr;
+  bool orphaned;
   {
     std::lock_guard lock(mu_);
     finished_ = true;
     // Claim under the lock (a cancelled waiter withdraws under it), wake outside it.
     if (waiter_ && waiter_claim(*waiter_, WakeReason::Notified)) w = waiter_;
     waiter_ = nullptr;
+    orphaned = released_;
   }
-  if (w) waiter_wake(*w);
+  if (orphaned) {
+    delete this;  // the creator has left (release): we were the last to refer to the group
+  } else if (w) {
+    waiter_wake(*w);
+  }
+}
+
+void Group::release() noexcept {
+  const bool token_held = !token_returned_;  // the creator's own field: read before unlocking
+  bool finished;
+  {
+    std::lock_guard lock(mu_);
+    finished = finished_;
+    released_ = !finished;
+  }
+  if (finished) {
+    delete this;
+  } else if (token_held) {
+    done();  // holding the token, no member could have reached zero: this or a later done frees
+  }
+  // Else members are still running and the last of them frees the group; it may have already.
 }
 
 void Group::wait() {
+  token_returned_ = true;
   done();  // the creator's token
   Waiter w;
   {
@@ -524,7 +547,7 @@ void Group::wait() {
 
 Group* group_create() { return new Group(); }
 void group_wait(Group* g) { g->wait(); }
-void group_destroy(Group* g) noexcept { delete g; }
+void group_release(Group* g) noexcept { g->release(); }
 
 // ------------------------------------------------------------------------------ registry
 
