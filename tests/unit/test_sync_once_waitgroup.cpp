@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -114,6 +116,21 @@ TEST_CASE("once: a cancelled waiter throws Cancelled") {
 }
 
 // ------------------------------------------------------------------------------ WaitGroup
+
+// Its counter is written by every finishing fiber: it shares its cache line with nothing, on a
+// thread's stack, a fiber's stack (realigned in the frame) and the heap.
+TEST_CASE("waitgroup: has a cache line to itself wherever it lives") {
+  static_assert(sizeof(fiber::WaitGroup) % 64 == 0);
+  auto line_aligned = [](const fiber::WaitGroup& wg) { return reinterpret_cast<std::uintptr_t>(&wg) % 64 == 0; };
+  fiber::WaitGroup on_thread;
+  CHECK(line_aligned(on_thread));
+  CHECK(fiber::block_on([&] {
+    fiber::WaitGroup on_fiber;
+    return line_aligned(on_fiber);
+  }));
+  auto on_heap = std::make_unique<fiber::WaitGroup>();
+  CHECK(line_aligned(*on_heap));
+}
 
 TEST_CASE("waitgroup: fibers and threads wait for fibers and threads") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
