@@ -52,7 +52,7 @@ class Group {
   // decrement that reaches zero is ordered (acq_rel) after every member's writes - a debt is
   // settled by the thread its members finished on, after their last writes there - and the
   // waiter reads them after `finished_`.
-  std::atomic<std::size_t> pending_{1};
+  alignas(64) std::atomic<std::size_t> pending_{1};  // a line of its own: see WaitGroup
   SpinLock mu_;
   bool finished_ = false;     // GUARDED_BY(mu_)
   bool released_ = false;     // GUARDED_BY(mu_): the creator left first; the last done() deletes
