@@ -418,3 +418,47 @@ TEST_CASE("wait_all: a spawn that throws leaves the roots already spawned to fin
     CHECK(ran.load() == 1);
   });
 }
+
+namespace {
+// A result whose destructor blocks the thread until `release` is set (or 20 s pass, which the
+// test reports). Moved-from ones do not block. The flags are shared: the destructor runs after
+// the fiber counts as finished, possibly after the test has moved on.
+struct BlockingFlags {
+  std::atomic<bool> release{false};
+  std::atomic<bool> gave_up{false};
+  std::atomic<bool> destroyed{false};
+};
+struct BlockingResult {
+  std::shared_ptr<BlockingFlags> flags;
+  explicit BlockingResult(std::shared_ptr<BlockingFlags> f) : flags(std::move(f)) {}
+  BlockingResult(BlockingResult&&) noexcept = default;
+  BlockingResult& operator=(BlockingResult&&) = delete;
+  ~BlockingResult() {
+    if (!flags) return;
+    const auto give_up = std::chrono::steady_clock::now() + 20s;
+    while (!flags->release.load() && !flags->gave_up.load()) {
+      if (std::chrono::steady_clock::now() > give_up) flags->gave_up = true;
+      std::this_thread::sleep_for(1ms);
+    }
+    flags->destroyed = true;
+  }
+};
+}  // namespace
+
+// The last member's result, its handle dropped, is destroyed when the fiber's last reference
+// goes - on its processor, after it finished. block_on must have heard of the member by then:
+// here the destructor holds the processor until block_on has returned.
+TEST_CASE("block_on: returns before a finished member's result is destroyed") {
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        auto flags = std::make_shared<BlockingFlags>();
+        fiber::block_on({.scheduler = &s}, [flags] {
+          (void)fiber::spawn([flags] { return BlockingResult(flags); });  // handle dropped
+        });
+        flags->release = true;
+        CHECK(wait_for([&] { return flags->destroyed.load(); }, 30'000ms));
+        CHECK_FALSE(flags->gave_up.load());
+        quiesce(s);
+      },
+      {1, 2}, true, 60'000ms);
+}

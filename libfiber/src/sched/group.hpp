@@ -51,8 +51,9 @@ class Group {
   // Members still running plus the creator's token plus the processors' debts (see above). The
   // decrement that reaches zero is ordered (acq_rel) after every member's writes - a debt is
   // settled by the thread its members finished on, after their last writes there - and the
-  // waiter reads them after `finished_`.
-  alignas(64) std::atomic<std::size_t> pending_{1};  // a line of its own: see WaitGroup
+  // waiter reads them after `finished_`. It starts a cache line, shared only with the fields
+  // below (WaitGroup's reasoning: no unrelated neighbour on the line every spawn writes).
+  alignas(64) std::atomic<std::size_t> pending_{1};
   SpinLock mu_;
   bool finished_ = false;     // GUARDED_BY(mu_)
   bool released_ = false;     // GUARDED_BY(mu_): the creator left first; the last done() deletes

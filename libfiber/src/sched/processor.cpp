@@ -294,6 +294,9 @@ void Processor::run(Fiber* f) noexcept {
     f->pinned->push_inbox(f);
     return;
   }
+  // Before anything of f's runs here, even a failed first run: its completion may call the
+  // unhandled-exception handler.
+  settle_group_debt_before(f);
   if (f->ctx == nullptr && !prepare_first_run(f)) {
     f->transition(FiberState::Runnable, FiberState::Running);
     count_finish();
@@ -302,7 +305,6 @@ void Processor::run(Fiber* f) noexcept {
     drop_fiber_ref(f);
     return;
   }
-  settle_group_debt_before(f);
   switch_to(this, &loop_, f, After::Nothing);
 }
 
@@ -392,6 +394,9 @@ void Processor::unpin_current() noexcept {
 }
 
 void Processor::release_finished(Fiber* f) noexcept {
+  // Finished into the loop, nothing of its group to run next: the group hears before the last
+  // reference goes, which destroys a dropped handle's result (a user destructor).
+  if (current() == &loop_) settle_group_debt();
   if (f->stack) {
     f->san.on_destroy();
     stacks_->put(f->stack);

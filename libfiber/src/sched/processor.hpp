@@ -214,7 +214,8 @@ class Processor {
   std::optional<StackCache> stacks_;   // made when the thread starts, emptied when it retires
   // Members of debt_group_ that finished here, not yet taken off its count. Nonzero only while
   // this thread runs a fiber of that group or is between two of them: settled before it runs
-  // anything else (next_to_run_after, run), before it sleeps (park_thread), and when it ends.
+  // anything else (next_to_run_after, run), when a fiber finishes into the loop
+  // (release_finished), before it sleeps (park_thread), and when it ends.
   Group* debt_group_ = nullptr;
   std::size_t group_debt_ = 0;
   Fiber* refill_scratch_[RunQueue::capacity() / 2];  // refill_from_injector's batch (owner only)
