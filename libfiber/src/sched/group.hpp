@@ -36,8 +36,8 @@ class Group {
   Group() = default;
 
   void add() noexcept { pending_.fetch_add(1, std::memory_order_relaxed); }
-  // `n` members finished (n >= 1). The group may be destroyed by the waiter as soon as this
-  // returns.
+  // `n` members finished (n >= 1). The group may be gone as soon as this returns: freed by the
+  // waiter, or by this call itself once the creator has released it.
   void done(std::size_t n = 1) noexcept;
   // Gives back the creator's token and waits for every member. Throws Cancelled if the waiting
   // fiber is cancelled.

@@ -333,7 +333,7 @@ bool is_compact(const Fiber* f) noexcept { return f->stack.kind == StackKind::Co
     }
     if ((next->ctx == nullptr && !prepare_first_run(next)) || is_compact(next)) [[unlikely]] {
       schedule_local(next);
-      return &loop_;  // the loop settles any group debt (run, park_thread)
+      return &loop_;  // any group debt is settled there (release_finished, run, park_thread)
     }
     settle_group_debt_before(next);
     return next;
