@@ -410,8 +410,7 @@ void Processor::release_finished(Fiber* f) noexcept {
 
 // ------------------------------------------------------------------------------ scheduling
 
-void Processor::settle_group_debt() noexcept {
-  if (group_debt_ == 0) return;
+void Processor::settle_group_debt_now() noexcept {
   const std::size_t n = group_debt_;
   group_debt_ = 0;
   debt_group_->done(n);  // may wake the group's waiter, here or elsewhere

@@ -136,9 +136,13 @@ class Processor {
   }
   // Before running `next`: a debt to any other group is settled.
   void settle_group_debt_before(const Fiber* next) noexcept {
-    if (group_debt_ != 0 && next->group != debt_group_) [[unlikely]] settle_group_debt();
+    if (group_debt_ != 0 && next->group != debt_group_) [[unlikely]] settle_group_debt_now();
   }
-  [[gnu::noinline]] void settle_group_debt() noexcept;
+  // Any debt at all (thread sleeps or ends, fiber finished into the loop).
+  void settle_group_debt() noexcept {
+    if (group_debt_ != 0) [[unlikely]] settle_group_debt_now();
+  }
+  [[gnu::noinline]] void settle_group_debt_now() noexcept;
 
   // ---- Any thread.
   void push_inbox(Fiber* f) noexcept;  // fibers pinned here, woken elsewhere

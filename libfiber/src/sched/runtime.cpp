@@ -373,13 +373,8 @@ void complete_fiber(Fiber* f) noexcept {
   } else if (old == Fiber::kJoinDetached) {
     report_if_unobserved(f);  // detached: `go` fibers are born so, and a dropped handle detaches
   }
-  if (g) {
-    if (Processor* p = current_processor()) {
-      p->group_member_done(g);  // settled when that processor leaves the group (group.hpp)
-    } else {
-      g->done();
-    }
-  }
+  // Read afresh: the handler above may have blocked, and the fiber moved.
+  if (g) current_processor()->group_member_done(g);  // settled when it leaves the group (group.hpp)
 }
 
 void drop_fiber_ref(Fiber* f) noexcept {

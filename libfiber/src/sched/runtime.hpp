@@ -12,7 +12,7 @@ uint64_t allocate_fiber_ids(uint64_t n) noexcept;
 // Runs the fiber's task on its own stack; an escaping exception is stored in task->error.
 void run_task(Fiber* self) noexcept;
 // The fiber is done (ran, or could not get a stack): wake its joiner, leave its group and the
-// registry, report an unobserved exception of a detached fiber.
+// registry, report an unobserved exception of a detached fiber. On the processor that ran it.
 void complete_fiber(Fiber* f) noexcept;
 void drop_fiber_ref(Fiber* f) noexcept;
 // Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding). The bit test is
