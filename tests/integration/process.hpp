@@ -12,6 +12,11 @@
 //   run(argv, input, limit)     runs a client (curl, redis-cli, wrk, ...) to completion with
 //                               `input` on its stdin; returns its exit status, stdout and stderr.
 //                               A client still running after `limit` is killed: status -1.
+//   run_test_case(name, env, limit)
+//                               runs one test case of this test binary (even one marked
+//                               doctest::skip()) in a child process, for what must not happen to
+//                               the test process itself: lowered limits, a full descriptor table.
+//                               Returns what run() does; the child prints only failures.
 //   have_program(name)          whether `name` is on PATH.
 //   require_program(name)       fails the test when `name` is not on PATH (tools/setup-deps.sh
 //                               installs every client the tests use: a missing one is an error,
@@ -228,6 +233,12 @@ inline RunResult run(const std::vector<std::string>& argv, const std::string& in
   const auto status = detail::wait_child(pid, std::max(left, std::chrono::milliseconds(100)));
   r.status = status ? *status : -1;
   return r;
+}
+
+inline RunResult run_test_case(const std::string& name, const std::vector<std::string>& env = {},
+                               std::chrono::milliseconds limit = scaled(std::chrono::milliseconds(180'000))) {
+  return run({"/proc/self/exe", "--test-case=" + name, "--no-skip=true", "--no-version=true", "--minimal=true"}, {},
+             limit, env);
 }
 
 // A sample server in a child process; see the header comment.

@@ -10,9 +10,6 @@
 #include <fiber/fiber.hpp>
 
 #include <fcntl.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,7 +17,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <iterator>
 #include <random>
@@ -29,14 +25,13 @@
 #include <thread>
 #include <vector>
 
-#include "io/fd_table.hpp"        // the receive hint, read by the test of Stream reads
+#include "integration/process.hpp"  // run_test_case
+#include "io/fd_table.hpp"          // the receive hint, read by the test of Stream reads
 #include "io/poller.hpp"
 #include "io_util.hpp"
 #include "sched/processor.hpp"
 #include "team.hpp"
 #include "test_util.hpp"
-
-extern char** environ;  // NOLINT: POSIX
 
 namespace {
 
@@ -524,11 +519,16 @@ TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBA
 
 namespace {
 constexpr const char* kEmfileChild = "net: (child process) an accept loop out of descriptors";
-constexpr const char* kEmfileMarkEnv = "FIBER_TEST_EMFILE_MARK";
 }  // namespace
 
 // Runs only in the child process the next test starts (skipped otherwise): it lowers
 // RLIMIT_NOFILE and uses up every descriptor, which must not happen to the test process itself.
+//
+// UBSan's vptr check opens a pipe whenever its cache of checked types misses (cache slots are
+// shared by hash, so a miss can come at any time), and reports a false "invalid vptr" when the
+// pipe cannot be made. So every fiber here has run, and every type been checked, before the
+// table is full; while it is full only the accept loop's back-off runs; and in that build the
+// recovery frees every descriptor, where the others free just two and let the rest trickle in.
 TEST_CASE("net: (child process) an accept loop out of descriptors" * doctest::skip()) {
   for_each_proc_count([](fiber::Scheduler& s, int n) {
     auto ln = net::Listener::listen("127.0.0.1:0");
@@ -537,27 +537,39 @@ TEST_CASE("net: (child process) an accept loop out of descriptors" * doctest::sk
     std::atomic<int> backoffs{0};
     std::atomic<int> echoed{0};
     // The accept loop, and a client fiber per socket in `socks` (made beforehand: connecting
-    // one needs no new descriptor); `meanwhile` runs while they do.
-    auto run = [&](std::vector<Fd>& socks, const std::function<void()>& meanwhile) {
-      auto acceptor = fiber::spawn({.scheduler = &s}, [&] { accept_loop(*ln, static_cast<int>(socks.size()), backoffs); });
+    // one needs no new descriptor). Each waits at `gate` once it has run; `shut` runs when all
+    // have arrived, then the gate opens and `meanwhile` runs.
+    auto run = [&](std::vector<Fd>& socks, const std::function<void()>& shut, const std::function<void()>& meanwhile) {
+      fiber::WaitGroup gate;
+      gate.add(1);
+      std::atomic<int> arrived{0};
+      auto acceptor = fiber::spawn({.scheduler = &s}, [&] {
+        arrived.fetch_add(1);
+        gate.wait();
+        accept_loop(*ln, static_cast<int>(socks.size()), backoffs);
+      });
       std::vector<fiber::JoinHandle<void>> clients;
       for (size_t i = 0; i < socks.size(); ++i) {
         clients.push_back(fiber::spawn({.scheduler = &s}, [&, i] {
+          arrived.fetch_add(1);
+          gate.wait();
           REQUIRE(io::connect(socks[i].get(), sa(addr), sizeof addr, patience()) == 0);  // queued in the kernel
           net::Stream conn(socks[i].release());
           echo_roundtrip(conn, 90 + i, 10'000);
           echoed.fetch_add(1);
         }));
       }
+      REQUIRE(wait_for([&] { return arrived.load() == static_cast<int>(socks.size()) + 1; }, patience()));
+      shut();
+      gate.done();
       meanwhile();
       clients.push_back(std::move(acceptor));  // joined last, failures or not
       join_all(clients);
     };
-    // Once with descriptors to spare, so that nothing runs for the first time with none left
-    // (UBSan's first check of a type opens a pipe; it reports a false error when it cannot).
+    // Once with descriptors to spare, so that nothing runs for the first time with none left.
     std::vector<Fd> socks(1);
     socks[0] = tcp_socket();
-    run(socks, [] {});
+    run(socks, [] {}, [] {});
     REQUIRE(echoed.load() == 1);
     echoed = 0;
     backoffs = 0;
@@ -569,23 +581,30 @@ TEST_CASE("net: (child process) an accept loop out of descriptors" * doctest::sk
     {
       // Room for a few more descriptors only; then take them all.
       FdLimit limit(static_cast<rlim_t>(highest_open_fd() + 1 + 16));
-      for (;;) {
-        const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-          REQUIRE(errno == EMFILE);
-          break;
+      auto take_all = [&] {
+        for (;;) {
+          const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+          if (fd < 0) {
+            REQUIRE(errno == EMFILE);
+            break;
+          }
+          filler.push_back(fd);
         }
-        filler.push_back(fd);
-      }
-      REQUIRE(filler.size() >= 4);
-      run(socks, [&] {
+        REQUIRE(filler.size() >= static_cast<size_t>(kClients) + 2);
+      };
+      run(socks, take_all, [&] {
         // Every connection waits in the queue while accept fails: the loop backs off, again
         // and again.
         REQUIRE(wait_for([&] { return backoffs.load() >= 3; }, patience()));
         CHECK(echoed.load() == 0);
-        // Two descriptors free: connections are accepted (and, as clients finish and close,
-        // the rest too).
-        for (int i = 0; i < 2; ++i) {
+        // Two descriptors free (every one under UBSan): connections are accepted (and, as
+        // clients finish and close, the rest too).
+#if FIBER_ASAN
+        const size_t keep = 0;
+#else
+        const size_t keep = filler.size() - 2;
+#endif
+        while (filler.size() > keep) {
           ::close(filler.back());
           filler.pop_back();
         }
@@ -594,45 +613,18 @@ TEST_CASE("net: (child process) an accept loop out of descriptors" * doctest::sk
       for (int fd : filler) ::close(fd);
     }
     // Report to the parent which runs finished.
-    if (const char* mark = std::getenv(kEmfileMarkEnv)) {
-      std::ofstream(mark, std::ios::app) << "processors=" << n << " backoffs=" << backoffs.load() << "\n";
-    }
+    std::printf("processors=%d backoffs=%d\n", n, backoffs.load());
+    std::fflush(stdout);
   });
 }
 
 TEST_CASE("net: an accept loop backs off on EMFILE and accepts again once descriptors are free") {
   // In a child process (this test binary, running only the test above), so that the lowered
   // descriptor limit and the exhausted descriptor table never touch this process.
-  char mark[] = "/tmp/fiber_test_emfile_XXXXXX";
-  Fd mark_fd(::mkstemp(mark));
-  REQUIRE(mark_fd.get() >= 0);
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-  env.push_back(std::string(kEmfileMarkEnv) + "=" + mark);
-  std::vector<char*> envp;
-  for (auto& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::string a0 = "fiber_tests", a1 = std::string("--test-case=") + kEmfileChild, a2 = "--no-skip=true",
-              a3 = "--no-version=true", a4 = "--minimal=true";
-  char* argv[] = {a0.data(), a1.data(), a2.data(), a3.data(), a4.data(), nullptr};
-  pid_t pid = -1;
-  REQUIRE(::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data()) == 0);
-  int status = 0;
-  const auto give_up = Clock::now() + scaled(180'000ms);
-  pid_t done = 0;
-  while ((done = ::waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < give_up) std::this_thread::sleep_for(20ms);
-  if (done == 0) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
-    FAIL_CHECK("the child process did not finish in time");
-  }
-  CHECK_MESSAGE(WIFEXITED(status), "the child died of signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0));
-  CHECK(WEXITSTATUS(status) == 0);
-  std::ifstream in(mark);
-  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ::unlink(mark);
-  INFO("the child's runs: " << all);
-  for (int n : kProcCounts) CHECK(contains(all, "processors=" + std::to_string(n) + " "));
+  const RunResult r = run_test_case(kEmfileChild);
+  INFO("the child's status " << r.status << "; its stdout:\n" << r.out << "\nits stderr:\n" << r.err);
+  CHECK(r.status == 0);
+  for (int n : kProcCounts) CHECK(contains(r.out, "processors=" + std::to_string(n) + " "));
 }
 
 // ------------------------------------------------------------------------------ many connections
