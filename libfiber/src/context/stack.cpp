@@ -211,6 +211,7 @@ Stack StackAllocator::allocate(std::size_t size) {
     std::call_once(warned, warn_if_lazily_bound);
   }
   Stack s;
+  bool reserved = false;  // a guarded stack is counted in guarded_live_, to be mapped below
   {
     std::lock_guard lock(mu_);
     const bool compact = size < page_;
@@ -224,6 +225,7 @@ Stack StackAllocator::allocate(std::size_t size) {
       ++guarded_live_;
     } else if (!compact && guarded_live_ + pooled_guarded() < guarded_limit_) {
       ++guarded_live_;  // reserve; allocate outside the lock
+      reserved = true;
     } else {
       auto it = free_.find(size);
       if (it != free_.end() && !it->second.empty()) {
@@ -236,7 +238,10 @@ Stack StackAllocator::allocate(std::size_t size) {
       if (s) ++unguarded_live_;
     }
   }
-  if (!s && size >= page_) {
+  // Only a reserved stack is mapped on its own. One sent to the chunks (the guarded budget spent,
+  // or a compact one) whose chunk cannot be mapped is refused: mapped alone it would overrun the
+  // budget, uncounted.
+  if (reserved) {
     s = allocate_guarded(size);
     std::lock_guard lock(mu_);
     if (s) {
