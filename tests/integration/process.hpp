@@ -25,6 +25,9 @@
 //                               fails if it cannot connect); the caller closes it.
 //   raise_nofile(n)             raises RLIMIT_NOFILE to at least n (up to the hard limit);
 //                               returns the soft limit now in effect.
+//   mapped_bytes()              the address space this process has mapped (VmSize).
+//   AddressSpaceLimit lim(n)    lowers the soft RLIMIT_AS to n bytes for its lifetime (for a
+//                               child process: the kernel then refuses mappings, stacks say).
 //
 // The helpers are plain-thread code (posix_spawn, poll): call them from the test's own thread,
 // not from inside a fiber.
@@ -48,6 +51,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -180,6 +184,30 @@ inline rlim_t raise_nofile(rlim_t want) {
   }
   return lim.rlim_cur;
 }
+
+inline std::size_t mapped_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0;
+  statm >> pages;
+  REQUIRE(pages > 0);
+  return pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(rlim_t bytes) {
+    REQUIRE(::getrlimit(RLIMIT_AS, &saved_) == 0);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = bytes;
+    REQUIRE(::setrlimit(RLIMIT_AS, &lowered) == 0);
+  }
+  ~AddressSpaceLimit() { ::setrlimit(RLIMIT_AS, &saved_); }
+  AddressSpaceLimit(const AddressSpaceLimit&) = delete;
+  AddressSpaceLimit& operator=(const AddressSpaceLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+};
 
 // Runs a client to completion; see the header comment.
 inline RunResult run(const std::vector<std::string>& argv, const std::string& input = {},

@@ -5,15 +5,10 @@
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <cstdio>
-#include <fstream>
-#include <string>
 
 #include "context/stack.hpp"        // StackAllocator: allocate() and stats() directly
-#include "integration/process.hpp"  // run_test_case
+#include "integration/process.hpp"  // run_test_case, AddressSpaceLimit
 #include "test_util.hpp"
 
 namespace {
@@ -22,32 +17,6 @@ using namespace fiber_test;
 namespace fd = fiber::detail;
 
 constexpr const char* kNoMemoryChild = "stacks: (child process) the allocator with the address space used up";
-
-// Bytes of address space this process has mapped (VmSize).
-std::size_t mapped_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  std::size_t pages = 0;
-  statm >> pages;
-  REQUIRE(pages > 0);
-  return pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-}
-
-// Lowers the soft RLIMIT_AS for its lifetime.
-class AddressSpaceLimit {
- public:
-  explicit AddressSpaceLimit(rlim_t bytes) {
-    REQUIRE(::getrlimit(RLIMIT_AS, &saved_) == 0);
-    rlimit lowered = saved_;
-    lowered.rlim_cur = bytes;
-    REQUIRE(::setrlimit(RLIMIT_AS, &lowered) == 0);
-  }
-  ~AddressSpaceLimit() { ::setrlimit(RLIMIT_AS, &saved_); }
-  AddressSpaceLimit(const AddressSpaceLimit&) = delete;
-  AddressSpaceLimit& operator=(const AddressSpaceLimit&) = delete;
-
- private:
-  rlimit saved_{};
-};
 
 }  // namespace
 
