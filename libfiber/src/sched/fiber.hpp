@@ -107,7 +107,10 @@ struct Fiber {
   static constexpr uint32_t kJoinWaiting = 1;
   static constexpr uint32_t kJoinFinished = 2;
   static constexpr uint32_t kJoinDetached = 3;
-  // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle.
+  // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle, one
+  // per CancelToken and per join waiting on another fiber. Invariant: a reference is only ever
+  // taken by a holder of one (a handle, a token, or the fiber itself while it runs), so a count
+  // of 1 seen by its holder stays 1 (drop_fiber_ref frees without a decrement).
   std::atomic<uint32_t> refs{1};
   // PinGuard nesting, plus one while an I/O call holds the fiber on its ring; owner only.
   uint16_t pin_depth = 0;
