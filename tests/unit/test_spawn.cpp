@@ -836,23 +836,33 @@ void check_payload(fiber::Scheduler& s, std::atomic<int>& live, fiber::detail::B
 }  // namespace
 
 TEST_CASE("spawn: callables of every size run with their captures whole, in the block size that fits") {
-  // Control blocks are slots of 192, 256 or 384 bytes, or malloc'd past that (sched/runtime.cpp).
-  // A `go` fiber's is the Fiber (144 bytes) and its task: 16 bytes and the callable in an
-  // optional, here a pointer and the Payload, so 176 + Bytes. A joinable fiber's also holds the
-  // joiner's wait record (64 bytes): 240 + Bytes. Sizes on each side of every boundary, each
-  // spawned from a plain thread and from a fiber.
+  // Control blocks are slots of 160, 192, 256 or 384 bytes, or malloc'd past that
+  // (sched/runtime.cpp). A `go` fiber's is the Fiber (128 bytes) and its task: 16 bytes and the
+  // callable in an optional, here a pointer and the Payload, so 160 + Bytes. A joinable fiber's
+  // also holds the joiner's wait record (64 bytes): 224 + Bytes. Sizes on each side of every
+  // boundary, each spawned from a plain thread and from a fiber.
   using namespace fiber::detail;
   for_each_proc_count([](fiber::Scheduler& s, int) {
     std::atomic<int> live{0};
     auto all_sizes = [&] {
-      check_payload<16>(s, live, kSlot256, kSlot192);  // 256 joined, 192 go: both exactly full
-      check_payload<24>(s, live, kSlot384, kSlot256);
-      check_payload<80>(s, live, kSlot384, kSlot256);  // go: 256, exactly full
-      check_payload<88>(s, live, kSlot384, kSlot384);
-      check_payload<144>(s, live, kSlot384, kSlot384);  // joined: 384, exactly full
-      check_payload<152>(s, live, kMallocBlock, kSlot384);
-      check_payload<208>(s, live, kMallocBlock, kSlot384);  // go: 384, exactly full
-      check_payload<216>(s, live, kMallocBlock, kMallocBlock);
+      // The smallest slot: a `go` lambda capturing one pointer, 128 + 32 bytes.
+      PayloadReport r;
+      r.wg.add(1);
+      go go_on(s)[&r] {
+        r.block = fiber::detail::current_fiber()->block_class;
+        r.wg.done();
+      };
+      r.wg.wait();
+      if (!kSanitized) CHECK(static_cast<int>(r.block) == static_cast<int>(kSlot160));
+      check_payload<16>(s, live, kSlot256, kSlot192);
+      check_payload<32>(s, live, kSlot256, kSlot192);  // both exactly full
+      check_payload<40>(s, live, kSlot384, kSlot256);
+      check_payload<96>(s, live, kSlot384, kSlot256);  // go: 256, exactly full
+      check_payload<104>(s, live, kSlot384, kSlot384);
+      check_payload<160>(s, live, kSlot384, kSlot384);  // joined: 384, exactly full
+      check_payload<168>(s, live, kMallocBlock, kSlot384);
+      check_payload<224>(s, live, kMallocBlock, kSlot384);  // go: 384, exactly full
+      check_payload<232>(s, live, kMallocBlock, kMallocBlock);
       check_payload<1024>(s, live, kMallocBlock, kMallocBlock);
     };
     all_sizes();

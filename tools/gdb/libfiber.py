@@ -10,10 +10,11 @@
 # Where the data comes from (all read through libfiber's debug info, no hard-coded offsets):
 #   fiber_detail_schedulers (extern "C", sched/introspect.cpp): newest SchedulerImpl, linked by
 #   next_scheduler_; SchedulerImpl::registry_.shards_ (std::vector<Shard>), each Shard's `head`
-#   list linked by Fiber::reg_next; Fiber::{id, name, state, park_reason, last_processor, ctx,
-#   stack}; Processor::{index_, tid_, current_}. A fiber is listed from its first run to its end:
-#   one spawned and still queued, which has no stack or frames yet, is only counted (from the
-#   processors' spawned_/finished_ and the scheduler's foreign_spawned_, as live_fibers() does).
+#   list linked by Fiber::reg_next; Fiber::{id, name, state, park_reason, last_processor (an
+#   index into SchedulerImpl::processors_), ctx, stack}; Processor::{index_, tid_, current_}.
+#   A fiber is listed from its first run to its end: one spawned and still queued, which has no
+#   stack or frames yet, is only counted (from the processors' spawned_/finished_ and the
+#   scheduler's foreign_spawned_, as live_fibers() does).
 #
 # `fiber bt` works on core files as well as on live processes because it changes nothing in the
 # inferior: a Python unwinder (FiberUnwinder) takes over the unwinding of the selected thread's
@@ -223,9 +224,12 @@ class FiberInfo:
         self.state = _enum_name(_atomic(f["state"]), _STATES)
         self.reason = _enum_name(_atomic(f["park_reason"]), _REASONS)
         self.ctx = _uint(f["ctx"])
-        p = _atomic(f["last_processor"])
-        self.processor = p if int(p) else None
-        self.processor_index = int(p["index_"]) if self.processor is not None else -1
+        index = int(_atomic(f["last_processor"]))  # kNeverRan (0xffff) before its first run
+        self.processor = None
+        self.processor_index = -1
+        if index != 0xFFFF:
+            self.processor_index = index
+            self.processor = _unique_ptr(list(_vector(sched["processors_"]))[index])
         stack = f["stack"]
         self.stack_lo = _uint(stack["lo"])
         self.stack_size = int(stack["size"])

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -35,9 +36,9 @@ class Processor;
 class SchedulerImpl;
 class Group;
 
-// Where a control block's memory came from (runtime.cpp): a slot of 192, 256 or 384 bytes, or
-// malloc for bigger ones.
-enum BlockClass : uint8_t { kMallocBlock, kSlot192, kSlot256, kSlot384 };
+// Where a control block's memory came from (runtime.cpp): a slot of 160, 192, 256 or 384 bytes,
+// or malloc for bigger ones.
+enum BlockClass : uint8_t { kMallocBlock, kSlot160, kSlot192, kSlot256, kSlot384 };
 
 enum class FiberState : uint8_t { Created, Runnable, Running, Parking, Parked, Notified, Finished };
 const char* fiber_state_name(FiberState s) noexcept;
@@ -84,29 +85,32 @@ static_assert(WakeWord::next_wait(WakeWord{5, true, WakeReason::Timeout, false}.
 static_assert(WakeWord::next_wait(WakeWord{5, false, WakeReason::Notified, true}.pack(), false) ==
               WakeWord{6, false, WakeReason::Pending, false}.pack());
 
+// 128 bytes in release builds, two cache lines (runtime.cpp checks): a `go` fiber capturing a
+// pointer fits a 160-byte slot. Hence the bit fields and the 16-bit processor index.
 struct Fiber {
-  // ---- switch path (first cache line)
+  // ---- switch path and waits (first cache line)
   RawContext ctx = nullptr;  // saved context while not running; written by whoever resumes next
   std::atomic<FiberState> state{FiberState::Created};
   // Written by the fiber itself around a park; read racily by dump() and the gdb extension.
   std::atomic<ParkReason> park_reason{ParkReason::None};
-  bool is_loop = false;  // a processor's own thread stack, not a real fiber
-  BlockClass block_class = kMallocBlock;  // which pool its memory came from
-  uint32_t stack_size = 0;  // size class to allocate when first run
+  // The processor it last ran on, as its index in the scheduler (kNeverRan before its first
+  // run). Written when resumed; read racily by dump() and the gdb extension.
+  std::atomic<uint16_t> last_processor{kNeverRan};
+  static constexpr uint16_t kNeverRan = 0xffff;  // processor slots: at most 1024
+  // Set before the fiber is published (fiber_create, fiber_submit; the loop's by its processor)
+  // and not written after: one word, so no bit may change once other threads can see it.
+  uint32_t stack_units : 24 = 0;  // size class to allocate when first run, in 256-byte units
+  BlockClass block_class : 4 = kMallocBlock;  // which pool its memory came from
+  bool is_loop : 1 = false;   // a processor's own thread stack, not a real fiber
+  bool has_task : 1 = false;  // task() is constructed: from fiber_submit until destroy_fiber
+  bool joinable : 1 = false;  // a JoinHandle's wait record follows the Fiber (join_waiter())
   Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
   Stack stack;  // empty until first run; written only while the fiber does not run
-  TaskBase* task = nullptr;
   SchedulerImpl* sched = nullptr;
-
-  // ---- waits. CAS'd by wakers from any thread, see WakeWord and wait.cpp.
+  // CAS'd by wakers from any thread, see WakeWord and wait.cpp.
   std::atomic<uint64_t> wake_word{WakeWord{0, false, WakeReason::Notified}.pack()};
-  // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter() is armed), kJoinFinished,
-  // kJoinDetached.
-  std::atomic<uint32_t> join_word{0};
-  static constexpr uint32_t kJoinWaiting = 1;
-  static constexpr uint32_t kJoinFinished = 2;
-  static constexpr uint32_t kJoinDetached = 3;
+
   // ---- lifetime: one reference for the runtime until it finishes, one for a JoinHandle, one
   // per CancelToken and per join waiting on another fiber. Invariant: a reference is only ever
   // taken by a holder of one (a handle, a token, or the fiber itself while it runs), so a count
@@ -118,13 +122,18 @@ struct Fiber {
   static constexpr uint16_t kUnlisted = 0xffff;  // shards are processor slots: at most 1024
   uint16_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
   SanitizerStack san;  // here, not last: in release builds it fills what would be padding
+  // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter() is armed), kJoinFinished,
+  // kJoinDetached.
+  std::atomic<uint8_t> join_word{0};
+  static constexpr uint8_t kJoinWaiting = 1;
+  static constexpr uint8_t kJoinFinished = 2;
+  static constexpr uint8_t kJoinDetached = 3;
 
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes
   char* name = nullptr;            // owned, nul-terminated; nullptr when unnamed
-  // For dumps (read racily by dump() and the gdb extension, hence relaxed atomics):
-  std::atomic<Processor*> last_processor{nullptr};  // written when resumed
-  std::atomic<int64_t> parked_at_ns{0};             // coarse steady time of its last park
+  // For dumps (read racily by dump() and the gdb extension, hence a relaxed atomic):
+  std::atomic<int64_t> parked_at_ns{0};  // coarse steady time of its last park
 
   // Registry of started fibers (stop, dump): links guarded by the scheduler's registry lock.
   Fiber* reg_prev = nullptr;
@@ -134,8 +143,21 @@ struct Fiber {
   // stack, so a joiner that gives up (cancelled) never leaves a dangling record; and only a
   // fiber spawned with a JoinHandle has one, right after the Fiber (fiber_create), so `go`
   // fibers do without its 64 bytes. Call it only for those: only a JoinHandle waits.
+  std::size_t stack_size() const noexcept { return std::size_t{stack_units} << 8; }
+  void set_stack_size(std::size_t size_class) noexcept {
+    static_assert((kMaxStackSize >> 8) < (1u << 24), "stack_units holds every size class");
+    stack_units = static_cast<uint32_t>(size_class >> 8) & 0xffffff;  // classes are 256-byte multiples
+  }
+
   Waiter& join_waiter() noexcept {
     return *std::launder(reinterpret_cast<Waiter*>(reinterpret_cast<char*>(this) + sizeof(Fiber)));
+  }
+  // The task, after the Fiber and its join record (task_offset): found, not stored, to keep the
+  // Fiber at 128 bytes. nullptr before fiber_submit, for a loop, or once abandoned.
+  static std::size_t task_offset(bool joinable) noexcept;
+  TaskBase* task() noexcept {
+    if (!has_task) return nullptr;
+    return std::launder(reinterpret_cast<TaskBase*>(reinterpret_cast<char*>(this) + task_offset(joinable)));
   }
 
   // Checked transition with a CAS, for steps that may race (rare paths).
@@ -157,6 +179,13 @@ struct Fiber {
   [[noreturn]] void bad_transition(FiberState actual, FiberState from, FiberState to) const noexcept;
 };
 static_assert(sizeof(Fiber) % alignof(Waiter) == 0, "join_waiter() follows the Fiber");
+
+// On a max_align_t boundary, whatever the task's own alignment (spawn refuses stricter ones), so
+// that the offset follows from `joinable` alone.
+inline std::size_t Fiber::task_offset(bool joinable) noexcept {
+  constexpr std::size_t a = alignof(std::max_align_t);
+  return (sizeof(Fiber) + (joinable ? sizeof(Waiter) : 0) + a - 1) & ~(a - 1);
+}
 static_assert(std::is_trivially_destructible_v<Waiter>, "a fiber's join record is never destroyed");
 
 // The current processor and fiber of this thread. Read through these non-inlined accessors

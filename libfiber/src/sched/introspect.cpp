@@ -150,9 +150,10 @@ void SchedulerImpl::dump(std::ostream& out) const {
   lines.reserve(live + 16);
   // Copy under the shard locks, print outside them.
   registry_.for_each([&](Fiber* f) {
-    const Processor* last = f->last_processor.load(std::memory_order_relaxed);
+    const uint16_t last = f->last_processor.load(std::memory_order_relaxed);
+    const int processor = last != Fiber::kNeverRan ? static_cast<int>(last) : -1;
     lines.push_back(Line{f->id, f->name ? f->name : "", f->state.load(std::memory_order_relaxed),
-                         f->park_reason.load(std::memory_order_relaxed), last ? static_cast<int>(last->index()) : -1,
+                         f->park_reason.load(std::memory_order_relaxed), processor,
                          f->parked_at_ns.load(std::memory_order_relaxed)});
   });
   const int64_t now = steady_now_ns();

@@ -187,7 +187,7 @@ void Processor::check_stack(const Fiber* f) const noexcept {
   if (!from->is_loop) p->check_stack(from);
   if (!to->is_loop) {
     to->set_state(FiberState::Runnable, FiberState::Running);
-    to->last_processor.store(p, std::memory_order_relaxed);
+    to->last_processor.store(static_cast<uint16_t>(p->index()), std::memory_order_relaxed);
   }
   p->current_.store(to, std::memory_order_relaxed);
   p->count_switch();  // all the watchdog costs a switch
@@ -273,13 +273,13 @@ Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
 
 bool Processor::prepare_first_run(Fiber* f) noexcept {
   try {
-    f->stack = stacks_->get(f->stack_size);
+    f->stack = stacks_->get(f->stack_size());
   } catch (...) {
     // No stack: the fiber finishes with the error without ever running (join rethrows it).
-    f->task->error = std::current_exception();
+    f->task()->error = std::current_exception();
     return false;
   }
-  f->task->error = nullptr;  // a failed earlier attempt (run() retries from the loop) is moot
+  f->task()->error = nullptr;  // a failed earlier attempt (run() retries from the loop) is moot
   sched_.registry().add(f, index_);  // listed from its first run, where it will likely finish
   // Queued when stop() began, so never listed for it to cancel: cancelled here, before its
   // first blocking call can start anything (stop() cancels whatever it finds listed).

@@ -66,21 +66,15 @@ bool is_cancellation(const std::exception_ptr& e) noexcept {
 // An exception nobody will observe: a detached fiber's, other than the cancellation that stop()
 // and JoinHandle::cancel() ask for.
 void report_if_unobserved(Fiber* f) noexcept {
-  if (!f->task || !f->task->error || is_cancellation(f->task->error)) return;
+  TaskBase* task = f->task();
+  if (!task || !task->error || is_cancellation(task->error)) return;
   g_unhandled.load(std::memory_order_acquire)(
-      UnhandledException{f->id, f->name ? std::string_view(f->name) : std::string_view(), f->task->error});
+      UnhandledException{f->id, f->name ? std::string_view(f->name) : std::string_view(), task->error});
 }
 
-constexpr std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) & ~(a - 1); }
-
-// Where the task goes in a control block: after the Fiber and, for a joinable fiber, its join
-// record (Fiber::join_waiter()).
-std::size_t task_offset(bool joinable, std::size_t task_align) noexcept {
-  return align_up(sizeof(Fiber) + (joinable ? sizeof(Waiter) : 0), std::max(task_align, alignof(Fiber)));
-}
 
 // Control blocks (Fiber, join record, task) of up to 384 bytes are slots carved from slabs, in
-// three sizes (BlockClass). Freed slots go to a per-thread cache of their size, which hands
+// four sizes (BlockClass). Freed slots go to a per-thread cache of their size, which hands
 // batches of kSpill slots to a global list (one lock per kSpill slots) and takes them back from
 // it. So a fiber costs two list operations, whether fibers churn (spawn, run, finish) or a
 // million are alive at once; slabs are kept for reuse, never given back (like stacks, see
@@ -88,17 +82,19 @@ std::size_t task_offset(bool joinable, std::size_t task_align) noexcept {
 //
 // Sizes matter because a million fibers queued at once (spawn_1t, a burst of connections) are a
 // million control blocks of fresh memory, and committing fresh memory costs this VM about 2 us a
-// page: with one 384-byte size that was over half of spawn_1t's time. A Fiber is 144 bytes
-// (static_assert below) and a task at least 24 (TaskImpl: a vtable, the exception, the callable
-// in an optional). So a `go` lambda capturing up to three pointers or values takes 192 bytes; a
-// fiber::spawn one, with its 64-byte join record and result slot, 256 or 384.
+// page: with one 384-byte size that was over half of spawn_1t's time, and each 32 bytes less
+// per control block took 8 to 13 ns off it. A Fiber is 128 bytes (static_assert below) and a task
+// at least 24 (TaskImpl: a vtable, the exception, the callable in an optional). So a `go` lambda
+// capturing one pointer or value takes 160 bytes, up to three 192; a fiber::spawn one, with its
+// 64-byte join record and result slot, 256 or 384. A 160-byte slot starts on a cache line or
+// half-way into one; the others on a line.
 //
 // Slabs are mmap'd. A thread's first is 96 KiB. Past that it is spawning in bulk (fibers queue
 // faster than they finish), and each further slab is 2 MiB, committed by one
 // MADV_POPULATE_WRITE: first touches of fresh slab memory were a page fault per ten control
 // blocks, about 40% of spawn_1t's time.
 #if !defined(FIBER_ASAN) && !defined(FIBER_TSAN)  // sanitizer builds keep more per stack
-static_assert(sizeof(Fiber) <= 144, "a Fiber outgrowing 144 bytes leaves the 192-byte slot no room for a task");
+static_assert(sizeof(Fiber) <= 128, "a Fiber outgrowing 128 bytes leaves the 160-byte slot no room for a task");
 #endif
 constexpr std::size_t kSlabBytes = 96 * 1024;
 constexpr std::size_t kBulkSlabBytes = std::size_t{2} << 20;
@@ -130,7 +126,7 @@ struct GlobalSlots {
 // of kSpill slots freed by another thread was a cache miss per slot.
 template <std::size_t kBlockSize>
 struct SlotCache {
-  static_assert(kBlockSize % 64 == 0, "slots start on cache lines");
+  static_assert(kBlockSize % 32 == 0, "slots start on cache lines or half-way into one");
   FreeSlot* freed = nullptr;  // freed by this thread
   std::size_t freed_count = 0;
   FreeSlot* head = nullptr;   // the rest of a batch from the global list
@@ -239,11 +235,13 @@ struct SlotCache {
     return reinterpret_cast<char*>(slab);
   }
 };
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<160> t_slots160;
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache<192> t_slots192;
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache<256> t_slots256;
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache<384> t_slots384;
 
 BlockClass block_class_for(std::size_t size) noexcept {
+  if (size <= 160) return kSlot160;
   if (size <= 192) return kSlot192;
   if (size <= 256) return kSlot256;
   return size <= 384 ? kSlot384 : kMallocBlock;
@@ -252,6 +250,7 @@ BlockClass block_class_for(std::size_t size) noexcept {
 // fn(cache) with this thread's cache for slot class `c` (not kMallocBlock).
 template <typename Fn>
 decltype(auto) with_slot_cache(BlockClass c, Fn&& fn) {
+  if (c == kSlot160) return fn(t_slots160);
   if (c == kSlot192) return fn(t_slots192);
   if (c == kSlot256) return fn(t_slots256);
   return fn(t_slots384);
@@ -276,7 +275,7 @@ __attribute__((noinline)) void free_block(void* p, BlockClass c) noexcept {
 }
 
 void destroy_fiber(Fiber* f) noexcept {
-  if (f->task) f->task->~TaskBase();
+  if (TaskBase* task = f->task()) task->~TaskBase();
   delete[] f->name;
   const BlockClass c = f->block_class;
   f->~Fiber();
@@ -305,14 +304,15 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
   if (task_align > alignof(std::max_align_t)) {
     throw UsageError("fiber::spawn: the callable's alignment exceeds alignof(std::max_align_t)");
   }
-  const std::size_t off = task_offset(joinable, task_align);
+  const std::size_t off = Fiber::task_offset(joinable);
   const BlockClass c = block_class_for(off + task_size);
   void* mem = allocate_block(off + task_size, c);  // slots and malloc: aligned for max_align_t
   Fiber* f = new (mem) Fiber();
   if (joinable) new (static_cast<char*>(mem) + sizeof(Fiber)) Waiter();
+  f->joinable = joinable;
   f->block_class = c;
   f->sched = &s;
-  f->stack_size = static_cast<uint32_t>(size_class);
+  f->set_stack_size(size_class);
   Processor* p = current_processor();
   f->id = (p && &p->sched() == &s) ? p->next_fiber_id() : allocate_fiber_ids(1);
   f->group = req.group ? req.group : (cur ? cur->group : nullptr);
@@ -326,12 +326,17 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
 }
 
 void fiber_abandon(Fiber* f) noexcept {
-  f->task = nullptr;
+  f->has_task = false;
   destroy_fiber(f);
 }
 
 void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
-  f->task = task;
+  f->has_task = true;
+  // Found, not stored (Fiber::task()): where fiber_create put it, as TaskBase, the first base.
+  if (f->task() != task) [[unlikely]] {
+    std::fputs("libfiber: internal error: a task's TaskBase is not where its storage starts\n", stderr);
+    std::abort();
+  }
   if (joinable) {
     f->refs.store(2, std::memory_order_relaxed);
   } else {
@@ -352,9 +357,9 @@ void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
 
 void run_task(Fiber* self) noexcept {
   try {
-    self->task->run();
+    self->task()->run();
   } catch (...) {
-    self->task->error = std::current_exception();
+    self->task()->error = std::current_exception();
   }
 }
 
@@ -366,7 +371,7 @@ void complete_fiber(Fiber* f) noexcept {
   // Detached is final: no handle is left to wait or detach, so nobody else writes the word and
   // a store does. Only a word a handle may still change needs the exchange (a locked
   // instruction: `go` fibers, born detached, skip it; 5 ns of spawn_1t's, with the one below).
-  uint32_t old = f->join_word.load(std::memory_order_acquire);
+  uint8_t old = f->join_word.load(std::memory_order_acquire);
   if (old == Fiber::kJoinDetached) {
     f->join_word.store(Fiber::kJoinFinished, std::memory_order_release);
   } else {
@@ -425,7 +430,7 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   // record and its parker is never freed, so a thread lends nothing.
   if (self) fiber_retain(self);
   waiter_prepare(f->join_waiter());
-  uint32_t expected = 0;
+  uint8_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
     waiter_abandon(f->join_waiter());
     if (self) drop_fiber_ref(self);
@@ -452,7 +457,7 @@ bool fiber_finished(const Fiber* f) noexcept {
 }
 
 void fiber_detach(Fiber* f) noexcept {
-  uint32_t expected = 0;
+  uint8_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinDetached, std::memory_order_acq_rel) &&
       expected == Fiber::kJoinFinished) {
     report_if_unobserved(f);
