@@ -5,7 +5,10 @@
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <thread>
+#include <vector>
 
 #include "context/stack.hpp"        // StackAllocator: allocate() and stats() directly
 #include "integration/process.hpp"  // run_test_case, AddressSpaceLimit
@@ -60,4 +63,78 @@ TEST_CASE("stacks: with the address space used up, spawns fail with ResourceErro
   INFO("the child's status " << r.status << "; its stdout:\n" << r.out << "\nits stderr:\n" << r.err);
   CHECK(r.status == 0);
   CHECK(contains(r.out, "refused and recovered"));
+}
+
+// Caches refill in batches (allocate_batch), and where the kernel has guard markers a fresh chunk
+// is mapped outside the allocator's lock, so threads that run out at once each map one and the
+// spare is kept for later. Whatever the path, every stack handed out is its own, laid out as its
+// kind says, counted once, and pooled again when released.
+TEST_CASE("stacks: batches taken by threads at once are distinct, laid out as their kind says, and counted") {
+  auto& alloc = fd::StackAllocator::instance();
+  const std::size_t page = 4096;
+  const std::size_t cls = fd::stack_size_class(28 * 1024);  // a size class nothing else uses
+  constexpr int kThreads = 4;
+  constexpr int kBatches = 150;  // 4 x 150 x 16 stacks: several chunks of at most 1024 stacks
+  constexpr std::size_t kBatch = 16;
+  const fd::StackStats before = alloc.stats();
+
+  auto take_all = [&] {
+    std::vector<std::vector<fd::Stack>> per_thread(kThreads);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        fd::Stack batch[kBatch];
+        for (int i = 0; i < kBatches; ++i) {
+          const std::size_t got = alloc.allocate_batch(cls, batch, kBatch);
+          per_thread[t].insert(per_thread[t].end(), batch, batch + got);
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    std::vector<fd::Stack> all;
+    for (auto& v : per_thread) all.insert(all.end(), v.begin(), v.end());
+    return all;
+  };
+
+  std::vector<fd::Stack> all = take_all();
+  REQUIRE(all.size() >= static_cast<std::size_t>(kThreads * kBatches));  // at least one per call
+  std::sort(all.begin(), all.end(), [](const fd::Stack& a, const fd::Stack& b) { return a.lo < b.lo; });
+  std::size_t guarded = 0, overlaps = 0, bad = 0;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const fd::Stack& st = all[i];
+    if (st.size != cls || st.kind == fd::StackKind::None || st.kind == fd::StackKind::Compact) ++bad;
+    guarded += st.kind == fd::StackKind::Guarded;
+    // A guarded stack's guard page lies below it, between it and the stack before.
+    if (i > 0 && all[i - 1].top() + (st.kind == fd::StackKind::Guarded ? page : 0) > st.lo) ++overlaps;
+  }
+  CHECK(bad == 0);
+  CHECK(overlaps == 0);
+  const fd::StackStats taken = alloc.stats();
+  if (taken.guard_markers) CHECK(guarded == all.size());
+  CHECK(taken.guarded_live - before.guarded_live == guarded);
+  CHECK(taken.unguarded_live - before.unguarded_live == all.size() - guarded);
+  // The top of a stack is where a fiber starts: each is writable there, and its red zone is clean.
+  for (const fd::Stack& st : {all.front(), all[all.size() / 2], all.back()}) {
+    reinterpret_cast<volatile char*>(st.top())[-1] = 1;
+    CHECK(st.redzone_intact());
+  }
+
+  const std::size_t n = all.size();
+  alloc.release_batch(all.data(), n);
+  const fd::StackStats released = alloc.stats();
+  CHECK(released.guarded_live == before.guarded_live);
+  CHECK(released.unguarded_live == before.unguarded_live);
+  CHECK(released.pooled - before.pooled == n);
+
+  // As many taken again come from the pool: no new mapping.
+  all.clear();
+  while (all.size() < n) {
+    fd::Stack batch[kBatch];
+    const std::size_t got = alloc.allocate_batch(cls, batch, std::min(kBatch, n - all.size()));
+    all.insert(all.end(), batch, batch + got);
+  }
+  CHECK(alloc.stats().mappings == released.mappings);
+  CHECK(alloc.stats().pooled == released.pooled - n);
+  alloc.release_batch(all.data(), all.size());
+  CHECK(alloc.stats().pooled == released.pooled);
 }

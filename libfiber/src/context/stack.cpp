@@ -15,6 +15,8 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "fiber/error.hpp"
 #include "io/raw.hpp"
@@ -150,26 +152,49 @@ StackAllocator::StackAllocator() {
 // guard pages are installed all at once. mmap plus mprotect per stack, under the mmap lock that
 // every page fault of the other processors takes too, was a third of skynet's time on two
 // processors (FIBER_GUARDED_STACKS=0: 272 -> 174 ms).
+//
+// Mapped outside the allocator's lock: installing a chunk's thousand guard pages takes a few
+// milliseconds, and while a million fibers start (idle_1m) every processor needs fresh stacks,
+// so under the lock the others waited on it, long enough for the watchdog to report them.
+// Returns an empty chunk, and sets `err`, when the kernel refuses.
+StackAllocator::Chunk StackAllocator::map_marked_chunk(std::size_t size, int& err) const {
+  const std::size_t slot = size + page_;
+  const std::size_t n = std::clamp<std::size_t>(kChunkBytes / slot, 16, kMaxMarkedPerChunk);
+  const std::size_t bytes = n * slot;
+  std::vector<iovec> guards(n);  // before the mapping, which a throw here would leak
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    err = raw::last_errno();
+    return {};
+  }
+  madvise(p, bytes, MADV_NOHUGEPAGE);  // stacks touch one page each
+  for (std::size_t i = 0; i < n; ++i) guards[i] = iovec{static_cast<char*>(p) + i * slot, page_};
+  err = install_guards(guards.data(), n, n * page_);
+  if (err != 0) {
+    munmap(p, bytes);
+    return {};
+  }
+  return Chunk{static_cast<char*>(p), static_cast<char*>(p) + bytes};
+}
+
+void StackAllocator::adopt_marked_locked(std::size_t size, Chunk fresh) {
+  ++mappings_;
+  Chunk& c = marked_chunks_[size];
+  if (static_cast<std::size_t>(c.end - c.next) < size + page_) {
+    c = fresh;  // what was left of the old one cannot hold a stack
+  } else {
+    spare_marked_[size].push_back(fresh);  // another thread mapped one meanwhile: use it next
+  }
+}
+
 Stack StackAllocator::carve_marked_locked(std::size_t size) {
   const std::size_t slot = size + page_;
   Chunk& c = marked_chunks_[size];
-  if (c.next == nullptr || static_cast<std::size_t>(c.end - c.next) < slot) {
-    const std::size_t n = std::clamp<std::size_t>(kChunkBytes / slot, 16, kMaxMarkedPerChunk);
-    const std::size_t bytes = n * slot;
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return {};
-    madvise(p, bytes, MADV_NOHUGEPAGE);  // stacks touch one page each
-    for (std::size_t i = 0; i < n; ++i) guard_ranges_[i] = iovec{static_cast<char*>(p) + i * slot, page_};
-    if (const int err = install_guards(guard_ranges_, n, n * page_); err != 0) {
-      munmap(p, bytes);
-      // Refused for good (seccomp, a changed policy): mmap + mprotect from now on. Anything else
-      // (no descriptor or memory to spare): the old path for this stack only.
-      if (err == EINVAL || err == ENOSYS || err == EPERM) guard_markers_ = false;
-      return {};
-    }
-    ++mappings_;
-    c.next = static_cast<char*>(p);
-    c.end = c.next + bytes;
+  if (static_cast<std::size_t>(c.end - c.next) < slot) {
+    auto spare = spare_marked_.find(size);
+    if (spare == spare_marked_.end() || spare->second.empty()) return {};
+    c = spare->second.back();
+    spare->second.pop_back();
   }
   Stack s{c.next + page_, size, StackKind::Guarded};
   c.next += slot;
@@ -205,59 +230,94 @@ Stack StackAllocator::carve_locked(std::size_t size) {
   return s;
 }
 
+// One stack, with the lock held: Take::stack (in `out`), or what the caller has to do outside the
+// lock first. Pooled guarded stacks first, then guard-marker chunks (unless `markers` is false:
+// mapping one just failed), then a guarded stack of its own while the budget lasts (reserved
+// here only if `may_reserve`: a batch ends where one would be), then pooled or carved unguarded.
+StackAllocator::Take StackAllocator::take_locked(std::size_t size, bool may_reserve, bool markers, Stack& out) {
+  const bool compact = size < page_;
+  auto g = free_guarded_.find(size);
+  if (g != free_guarded_.end() && !g->second.empty()) {
+    out = g->second.back();  // a pooled guarded stack: no syscall at all
+    g->second.pop_back();
+    --pooled_;
+    ++guarded_live_;
+    return Take::stack;
+  }
+  if (!compact && markers && guard_markers_) {
+    if (!(out = carve_marked_locked(size))) return Take::map_marked;
+    ++guarded_live_;
+    return Take::stack;
+  }
+  if (!compact && guarded_live_ + pooled_guarded() < guarded_limit_) {
+    if (may_reserve) ++guarded_live_;  // mapped outside the lock
+    return Take::reserve;
+  }
+  auto it = free_.find(size);
+  if (it != free_.end() && !it->second.empty()) {
+    out = it->second.back();
+    it->second.pop_back();
+    --pooled_;
+  } else if (!(out = carve_locked(size))) {
+    return Take::none;
+  }
+  ++unguarded_live_;
+  return Take::stack;
+}
+
 Stack StackAllocator::allocate(std::size_t size) {
+  Stack s;
+  allocate_batch(size, &s, 1);
+  return s;
+}
+
+std::size_t StackAllocator::allocate_batch(std::size_t size, Stack* out, std::size_t n) {
   if (size < page_) {
     static std::once_flag warned;
     std::call_once(warned, warn_if_lazily_bound);
   }
-  Stack s;
-  bool reserved = false;  // a guarded stack is counted in guarded_live_, to be mapped below
-  {
-    std::lock_guard lock(mu_);
-    const bool compact = size < page_;
-    auto g = free_guarded_.find(size);
-    if (g != free_guarded_.end() && !g->second.empty()) {
-      s = g->second.back();  // a pooled guarded stack: no syscall at all
-      g->second.pop_back();
-      --pooled_;
-      ++guarded_live_;
-    } else if (!compact && guard_markers_ && (s = carve_marked_locked(size))) {
-      ++guarded_live_;
-    } else if (!compact && guarded_live_ + pooled_guarded() < guarded_limit_) {
-      ++guarded_live_;  // reserve; allocate outside the lock
-      reserved = true;
-    } else {
-      auto it = free_.find(size);
-      if (it != free_.end() && !it->second.empty()) {
-        s = it->second.back();
-        it->second.pop_back();
-        --pooled_;
+  std::size_t got = 0;
+  bool markers = true;  // false once mapping a marked chunk failed: the next kind for this call
+  Chunk fresh;          // a marked chunk mapped outside the lock, to adopt under it
+  int map_err = 0;
+  for (;;) {
+    Take t = Take::none;
+    {
+      std::lock_guard lock(mu_);
+      if (fresh.next) adopt_marked_locked(size, std::exchange(fresh, Chunk{}));
+      // Refused for good (seccomp, a changed policy): mmap + mprotect from now on. Anything else
+      // (no descriptor or memory to spare): the other kinds, for this call only.
+      if (map_err == EINVAL || map_err == ENOSYS || map_err == EPERM) guard_markers_ = false;
+      while (got < n && (t = take_locked(size, got == 0, markers, out[got])) == Take::stack) ++got;
+    }
+    if (t == Take::map_marked && got == 0) {
+      fresh = map_marked_chunk(size, map_err);
+      if (!fresh.next) markers = false;
+      continue;
+    }
+    // Only a reserved stack is mapped on its own. One sent to the chunks (the guarded budget
+    // spent, or a compact one) whose chunk cannot be mapped is refused: mapped alone it would
+    // overrun the budget, uncounted.
+    if (t == Take::reserve && got == 0) {
+      Stack s = allocate_guarded(size);
+      std::lock_guard lock(mu_);
+      if (s) {
+        mappings_ += 2;
       } else {
+        // Out of mappings or memory for a guarded stack: fall back to the unguarded pool.
+        --guarded_live_;
         s = carve_locked(size);
+        if (s) ++unguarded_live_;
       }
-      if (s) ++unguarded_live_;
+      if (s) out[got++] = s;
     }
+    break;
   }
-  // Only a reserved stack is mapped on its own. One sent to the chunks (the guarded budget spent,
-  // or a compact one) whose chunk cannot be mapped is refused: mapped alone it would overrun the
-  // budget, uncounted.
-  if (reserved) {
-    s = allocate_guarded(size);
-    std::lock_guard lock(mu_);
-    if (s) {
-      mappings_ += 2;
-    } else {
-      // Out of mappings or memory for a guarded stack: fall back to the unguarded pool.
-      --guarded_live_;
-      s = carve_locked(size);
-      if (s) ++unguarded_live_;
-    }
-  }
-  if (!s) {
+  if (got == 0) {
     throw ResourceError("fiber: cannot allocate a " + std::to_string(size) + "-byte stack: " +
                         std::strerror(raw::last_errno()));
   }
-  return s;
+  return got;
 }
 
 void StackAllocator::release_locked(Stack s) noexcept {
@@ -320,7 +380,11 @@ Stack StackCache::get(std::size_t size_class) {
     b.stacks.pop_back();
     return s;
   }
-  return StackAllocator::instance().allocate(size_class);
+  Stack batch[kRefillMax];
+  const std::size_t want = std::clamp<std::size_t>(kRefillBytes / size_class, 1, kRefillMax);
+  const std::size_t got = StackAllocator::instance().allocate_batch(size_class, batch, want);
+  b.stacks.insert(b.stacks.end(), batch + 1, batch + got);
+  return batch[0];
 }
 
 void StackCache::put(Stack s) noexcept {

@@ -17,14 +17,15 @@
 // for unguarded and compact stacks that check is the only overflow detection.
 //
 // Stacks are recycled through a per-processor StackCache (owner-only, no locking) in front of
-// the process-wide StackAllocator (mutex). Memory is committed lazily: a stack that only ever
-// used its top page costs one page of RSS.
+// the process-wide StackAllocator (mutex), which an empty cache draws from in batches. No
+// system call runs under that mutex but the mmap and madvise of an unguarded chunk
+// (microseconds). Memory is committed lazily: a stack that only ever used its top page costs
+// one page of RSS.
 #pragma once
-
-#include <sys/uio.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -82,6 +83,9 @@ class StackAllocator {
 
   // Throws fiber::ResourceError when no memory or mapping can be had.
   Stack allocate(std::size_t size_class);
+  // Up to `n` stacks into `out`, taking the lock once (a cache refilling): how many, at least one.
+  // Fewer when the next would need a system call outside the lock. Throws as allocate() does.
+  std::size_t allocate_batch(std::size_t size_class, Stack* out, std::size_t n);
   void release(Stack s) noexcept;
   // Returns many stacks at once (a cache overflowing), taking the lock once.
   void release_batch(Stack* stacks, std::size_t n) noexcept;
@@ -91,8 +95,18 @@ class StackAllocator {
   StackStats stats();
 
  private:
+  struct Chunk {
+    char* next = nullptr;  // next free byte in the current chunk
+    char* end = nullptr;
+  };
+  // What take_locked found: a stack, or the step to take outside the lock before one can be had.
+  enum class Take : uint8_t { stack, map_marked, reserve, none };
+
   StackAllocator();
+  Take take_locked(std::size_t size, bool may_reserve, bool markers, Stack& out);  // REQUIRES(mu_)
   Stack allocate_guarded(std::size_t size);
+  Chunk map_marked_chunk(std::size_t size, int& err) const;
+  void adopt_marked_locked(std::size_t size, Chunk fresh);  // REQUIRES(mu_)
   Stack carve_locked(std::size_t size);  // REQUIRES(mu_)
   Stack carve_marked_locked(std::size_t size);  // REQUIRES(mu_)
   void release_locked(Stack s) noexcept; // REQUIRES(mu_)
@@ -106,16 +120,15 @@ class StackAllocator {
   std::size_t guarded_live_ = 0;
   std::size_t unguarded_live_ = 0;
   std::size_t mappings_ = 0;
-  struct Chunk {
-    char* next = nullptr;  // next free byte in the current chunk
-    char* end = nullptr;
-  };
   std::unordered_map<std::size_t, Chunk> chunks_;                 // per size class
   std::unordered_map<std::size_t, Chunk> marked_chunks_;          // per size class, guard markers
+  std::unordered_map<std::size_t, std::vector<Chunk>> spare_marked_;  // mapped while one was in use
   static constexpr std::size_t kMaxMarkedPerChunk = 1024;        // one process_madvise (UIO_MAXIOV)
-  iovec guard_ranges_[kMaxMarkedPerChunk];                        // carve_marked_locked's scratch
-  std::unordered_map<std::size_t, std::vector<Stack>> free_;      // unguarded/compact, per class
-  std::unordered_map<std::size_t, std::vector<Stack>> free_guarded_;  // per class
+  // Pools of returned stacks. Deques, not vectors: when a million fibers end, a vector's growth
+  // copied megabytes into fresh memory under mu_ (a 4 MiB copy and 2048 page faults at 262144
+  // stacks), long enough to stall the other processors returning theirs.
+  std::unordered_map<std::size_t, std::deque<Stack>> free_;      // unguarded/compact, per class
+  std::unordered_map<std::size_t, std::deque<Stack>> free_guarded_;  // per class
   std::size_t pooled_guarded() const noexcept {  // REQUIRES(mu_)
     std::size_t n = 0;
     for (const auto& [size, v] : free_guarded_) n += v.size();
@@ -128,6 +141,10 @@ class StackAllocator {
 class StackCache {
  public:
   static constexpr std::size_t kMaxCached = 128;  // per size class
+  // An empty bin takes up to this many bytes of stacks (at least one, at most kRefillMax) from
+  // the allocator at once: one lock for a batch while fibers start faster than they end.
+  static constexpr std::size_t kRefillBytes = std::size_t{1} << 20;
+  static constexpr std::size_t kRefillMax = 16;
 
   StackCache() = default;
   StackCache(const StackCache&) = delete;
