@@ -6,6 +6,7 @@
 //      not see each other's value.
 //   3. PinGuard keeps a fiber on one processor through yields, sleeps and wakes from other
 //      threads; after the guard it migrates again.
+//   4. The floating-point rounding mode (x87 control word and MXCSR) is per fiber, as errno is.
 //
 // Thread identity is read with the gettid system call (os_tid): pthread_self() and errno's
 // address are declared __attribute__((const)), so a compiler may reuse a value read before a
@@ -15,6 +16,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cfenv>
 #include <cstdio>
 #include <cstdlib>
 #include <condition_variable>
@@ -25,6 +27,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "test_util.hpp"
 
@@ -250,6 +256,58 @@ TEST_CASE("migration: errno survives switches and migrations, per fiber") {
     }
     CHECK_MESSAGE(changes > 0, "no migration happened, so errno was never carried across threads");
     churn.stop();
+    quiesce(s);
+  });
+}
+
+// The switch saves and restores the x87 control word and MXCSR with the other callee-saved
+// state (context/jump.cpp): a fiber's rounding mode is its own. Four fibers, one per mode, on
+// two processors, each checking its mode and a quotient that depends on it across yields.
+TEST_CASE("migration: the floating-point rounding mode is per fiber, across switches and migrations") {
+  with_watchdog(60'000ms, "rounding", [] {
+    fiber::Scheduler s({.processors = 2, .name = "fenv"});
+    constexpr int kModes[] = {FE_TONEAREST, FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO};
+    constexpr int kYields = 2000;
+    std::atomic<int> started{0};
+    struct Result {
+      int wrong_mode = 0;
+      int wrong_sse = 0;
+      int wrong_value = 0;
+      double third = 0;
+    };
+    std::vector<fiber::JoinHandle<Result>> hs;
+    for (int mode : kModes) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [mode, &started] {
+        Result r;
+        REQUIRE(std::fesetround(mode) == 0);
+        volatile double one = 1.0, three = 3.0;
+        r.third = one / three;
+        started.fetch_add(1);
+        while (started.load() < 4) fiber::this_fiber::yield();  // all four modes live at once
+        for (int i = 0; i < kYields; ++i) {
+          fiber::this_fiber::yield();
+          r.wrong_mode += std::fegetround() != mode;  // the x87 control word
+#if defined(__x86_64__)
+          // MXCSR's rounding control (bits 13-14) uses the same encoding, shifted.
+          r.wrong_sse += static_cast<int>(_mm_getcsr() & 0x6000) != mode << 3;
+#endif
+          r.wrong_value += one / three != r.third;  // SSE arithmetic
+        }
+        std::fesetround(FE_TONEAREST);
+        return r;
+      }));
+    }
+    std::vector<double> thirds;
+    for (std::size_t i = 0; i < hs.size(); ++i) {
+      const Result r = hs[i].join();
+      CHECK_MESSAGE(r.wrong_mode == 0, "fiber " << i << ": fegetround() wrong " << r.wrong_mode << " times");
+      CHECK_MESSAGE(r.wrong_sse == 0, "fiber " << i << ": MXCSR rounding wrong " << r.wrong_sse << " times");
+      CHECK_MESSAGE(r.wrong_value == 0, "fiber " << i << ": 1/3 changed " << r.wrong_value << " times");
+      thirds.push_back(r.third);
+    }
+    // The modes really differ: upward and downward round 1/3 apart.
+    CHECK(thirds[1] > thirds[2]);
+    CHECK(std::fegetround() == FE_TONEAREST);  // the test's own thread is untouched
     quiesce(s);
   });
 }

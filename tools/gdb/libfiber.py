@@ -22,11 +22,12 @@
 # when it switched away. gdb's normal (DWARF) unwinding then walks the fiber's stack
 # from there, and the command prints those frames only, renumbered from #0.
 #
-# The saved context of a switched-out fiber is Boost.Context's fcontext_t (x86-64 SysV,
-# jump_fcontext in jump_x86_64_sysv_elf_gas.S, checked against the disassembly of Boost 1.74):
-# the stack pointer after `lea -0x38(%rsp),%rsp`, pointing at
+# The saved context of a switched-out fiber is Boost.Context's fcontext_t frame (x86-64 SysV,
+# as jump_fcontext in Boost 1.74's jump_x86_64_sysv_elf_gas.S lays it out; libfiber's own jump,
+# libfiber_jump_fcontext in libfiber/src/context/jump.cpp, keeps the same frame): the stack
+# pointer after `lea -0x38(%rsp),%rsp`, pointing at
 #   +0x00 mxcsr, +0x04 x87 cw, +0x08 r12, +0x10 r13, +0x18 r14, +0x20 r15, +0x28 rbx,
-#   +0x30 rbp, +0x38 return address into the caller of jump_fcontext
+#   +0x30 rbp, +0x38 return address into the caller of the jump
 # so the fiber resumes with pc = *(ctx+0x38) and rsp = ctx+0x40.
 import re
 import struct
@@ -43,7 +44,7 @@ _STATES = ["created", "runnable", "running", "parking", "parked", "notified", "f
 _REASONS = ["none", "yield", "join", "sleep", "block_on", "waitgroup", "channel", "select", "mutex",
             "rwmutex", "condvar", "semaphore", "latch", "barrier", "once", "io", "blocking"]
 
-# (name in the frame, byte offset in the fcontext frame) of the registers jump_fcontext saves.
+# (name in the frame, byte offset in the fcontext frame) of the registers the jump saves.
 _SAVED_REGS = [("r12", 0x08), ("r13", 0x10), ("r14", 0x18), ("r15", 0x20), ("rbx", 0x28), ("rbp", 0x30)]
 _CTX_PC, _CTX_SIZE = 0x38, 0x40
 _MAX_FIBERS_PER_SHARD = 10_000_000  # a corrupt (cyclic) list must not hang gdb

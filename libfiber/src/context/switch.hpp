@@ -1,5 +1,5 @@
-// The switch layer: one raw Boost.Context fcontext jump, plus the sanitizer bookkeeping that
-// Boost's fcontext backend does not do itself.
+// The switch layer: one raw fcontext jump (Boost.Context's frame, our jump: context/jump.cpp),
+// plus the sanitizer bookkeeping that Boost's fcontext backend does not do itself.
 //
 // A context is only a saved stack pointer (fcontext_t). jump() passes one pointer to the context
 // it resumes; that side learns the context it came from through the returned Transfer. Everything
@@ -46,6 +46,12 @@ using EntryFn = void (*)(Transfer);
 inline RawContext make_context(void* stack_top, std::size_t size, EntryFn fn) noexcept {
   return boost::context::detail::make_fcontext(stack_top, size, fn);
 }
+
+#if defined(__x86_64__) && defined(__linux__)
+// Boost's jump with `ret` for its `jmp`: see context/jump.cpp.
+#define FIBER_OWN_JUMP 1
+extern "C" Transfer libfiber_jump_fcontext(RawContext to, void* data) noexcept;
+#endif
 
 #if defined(FIBER_TSAN)
 // TSan fiber contexts are expensive to create (each allocates and clears a vector clock), so
@@ -154,7 +160,11 @@ struct SanitizerStack {
 #if defined(FIBER_TSAN)
   __tsan_switch_to_fiber(to_stack.tsan_fiber, 0);
 #endif
+#if defined(FIBER_OWN_JUMP)
+  Transfer t = libfiber_jump_fcontext(to, data);
+#else
   Transfer t = boost::context::detail::jump_fcontext(to, data);
+#endif
 #if defined(FIBER_ASAN)
   // Back on `from`: learn nothing about the stack we came from (it recorded its own bounds).
   __sanitizer_finish_switch_fiber(from.fake_stack, nullptr, nullptr);
