@@ -235,6 +235,30 @@ TEST_CASE("watchdog: the LIFO slot of a blocked processor is rescued (no extra p
   });
 }
 
+TEST_CASE("watchdog: the yield slot of a blocked processor is rescued (1 processor, 2 allowed)") {
+  Reports reports;
+  with_watchdog(60'000ms, "watchdog yield slot", [&] {
+    fiber::Scheduler s({.processors = 1, .max_processors = 2, .name = "wd-yield", .watchdog = fast_watchdog(reports)});
+    std::atomic<bool> holder_spawned{false}, ran{false};
+    // The yielder holds the only processor until the holder is queued; its yield then switches
+    // to the holder and, that processor being busy, leaves it in the yield slot, which nobody
+    // steals from.
+    auto yielder = fiber::spawn({.scheduler = &s, .name = "yielder"}, [&] {
+      spin_until([&] { return holder_spawned.load(); }, 20'000ms);
+      fiber::this_fiber::yield();
+      ran.store(true);
+    });
+    auto holder = fiber::spawn({.scheduler = &s, .name = "yield-slot-holder"}, [&] {
+      // Never switches: only the monitor can move the yielder to where it can run.
+      return spin_until([&] { return ran.load(); }, 20'000ms);
+    });
+    holder_spawned.store(true);
+    CHECK_MESSAGE(holder.join(), "the fiber in the blocked processor's yield slot never ran; reports:\n" << reports.dump());
+    yielder.join();
+    CHECK(s.watchdog_stats().extra_started >= 1);
+  });
+}
+
 TEST_CASE("watchdog: a fiber pinned to a retired extra processor starts it again when woken") {
   Reports reports;
   int fds[2];

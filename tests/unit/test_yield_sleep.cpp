@@ -87,6 +87,116 @@ TEST_CASE("yield: a fiber yielding in a loop does not starve the others (1 proce
   });
 }
 
+// Two fibers yielding to each other pass the yield slot back and forth; a fiber queued in the
+// ring meanwhile still gets its turn (the slot's fiber waits for the picks of those queued when
+// it yielded). The queued one is pinned and woken from a plain thread, so it reaches the ring
+// through the processor's inbox without either yielding fiber being queued behind it.
+TEST_CASE("yield: two fibers yielding to each other do not starve a queued one (1 processor)") {
+  with_watchdog(20'000ms, "yield pair starvation", [] {
+    fiber::Scheduler s({.processors = 1, .name = "pair"});
+    std::atomic<bool> stop{false};
+    std::atomic<long> yields{0};
+    fiber::Channel<int> wake;
+    auto pinned = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::this_fiber::PinGuard pin;
+      return wake.recv().value_or(-1);
+    });
+    auto yielder = [&] {
+      long n = 0;
+      while (!stop.load()) {
+        fiber::this_fiber::yield();
+        yields.fetch_add(1);
+        ++n;
+      }
+      return n;
+    };
+    auto a = fiber::spawn({.scheduler = &s}, yielder);
+    auto b = fiber::spawn({.scheduler = &s}, yielder);
+    REQUIRE(wait_for([&] { return yields.load() > 1000; }));
+    wake.send(7);  // from this plain thread: the pinned fiber goes through the inbox
+    CHECK_MESSAGE(pinned.wait_for(scaled(5'000ms)), "the woken fiber never ran behind the yielding pair");
+    stop = true;
+    CHECK(pinned.join() == 7);
+    CHECK(a.join() > 0);
+    CHECK(b.join() > 0);
+  });
+}
+
+// A yield goes to the processor's yield slot, which other processors cannot steal from, only
+// while every processor is busy. Two fibers yielding to each other on one processor while the
+// other is held by a spinner (the watchdog moves anything queued behind the spinner) must spread
+// out once the spinner ends and its processor goes idle: they then run at the same time.
+TEST_CASE("yield: fibers yielding on one processor spread out when another goes idle (2 processors)") {
+  with_watchdog(60'000ms, "yield spread", [] {
+    fiber::Scheduler s({.processors = 2, .name = "spread"});
+    std::atomic<int> yields{0};
+    std::atomic<int> inside{0};
+    std::atomic<bool> overlapped{false};
+    auto spinner = fiber::spawn({.scheduler = &s}, [&] {
+      const auto deadline = Clock::now() + scaled(20'000ms);
+      while (yields.load() < 400 && Clock::now() < deadline) {
+      }
+      return yields.load() >= 400;
+    });
+    auto yielder = [&] {
+      const auto deadline = Clock::now() + scaled(20'000ms);
+      while (!overlapped.load() && Clock::now() < deadline) {
+        inside.fetch_add(1);
+        for (int k = 0; k < 2000 && !overlapped.load(); ++k) {
+          if (inside.load() == 2) overlapped.store(true);
+        }
+        inside.fetch_sub(1);
+        yields.fetch_add(1);
+        fiber::this_fiber::yield();
+      }
+      return overlapped.load();
+    };
+    auto a = fiber::spawn({.scheduler = &s}, yielder);
+    auto b = fiber::spawn({.scheduler = &s}, yielder);
+    CHECK(spinner.join());
+    CHECK_MESSAGE(a.join(), "the two yielding fibers never ran at the same time after a processor went idle");
+    CHECK(b.join());
+  });
+}
+
+// A channel pair wakes each other into the LIFO slot at every step; past the LIFO limit the
+// queue gets a pick, and a fiber waiting in the yield slot counts as queued.
+TEST_CASE("yield: a channel ping-pong pair does not starve a yielding fiber (1 processor)") {
+  with_watchdog(20'000ms, "yield behind a ping-pong pair", [] {
+    fiber::Scheduler s({.processors = 1, .name = "pp-yield"});
+    std::atomic<bool> stop{false};
+    std::atomic<long> yields{0};
+    fiber::Channel<int> ping, pong;
+    auto yielder = fiber::spawn({.scheduler = &s}, [&] {
+      while (!stop.load()) {
+        fiber::this_fiber::yield();
+        yields.fetch_add(1);
+      }
+    });
+    auto echo = fiber::spawn({.scheduler = &s}, [&] {
+      while (std::optional<int> v = ping.recv()) pong.send(*v);
+    });
+    auto driver = fiber::spawn({.scheduler = &s}, [&] {
+      long n = 0;
+      while (!stop.load()) {
+        ping.send(1);
+        n += *pong.recv();
+      }
+      ping.close();
+      return n;
+    });
+    // Both loops run for good: the yielder must keep advancing while the pair does.
+    REQUIRE(wait_for([&] { return yields.load() > 10; }));
+    const long before = yields.load();
+    CHECK_MESSAGE(wait_for([&] { return yields.load() > before + 1000; }, 5'000ms),
+                  "the yielding fiber advanced only " << yields.load() - before << " times behind the pair");
+    stop = true;
+    CHECK(driver.join() > 0);
+    echo.join();
+    yielder.join();
+  });
+}
+
 TEST_CASE("yield: a fiber yielding in a loop lets a compact-stack fiber run (1 processor)") {
   // A compact fiber is never switched to directly: the yielder hands it to the loop and must
   // still yield itself, or its loop takes the compact fiber back on every turn.

@@ -75,6 +75,13 @@ class Idle {
     return c.searching() == 0 && c.unparked() < num_processors();
   }
 
+  // Every processor is awake and none is searching: work made available now would not be
+  // taken by another processor before its owner gets to it (Processor::schedule_yielded).
+  bool all_busy() const noexcept {
+    const IdleCounts c = counts();
+    return c.searching() == 0 && c.unparked() >= num_processors();
+  }
+
   // The processor to wake because work was made available, if one should be woken. The woken
   // processor counts as unparked and searching from here on. The caller wakes its poller, then
   // calls wake_done(id).

@@ -9,11 +9,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if __has_include(<linux/membarrier.h>)
-#include <linux/membarrier.h>
-#define FIBER_HAVE_MEMBARRIER 1  // its commands are enumerators, not macros: test the header
-#endif
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -27,6 +22,7 @@
 
 #include "fiber/error.hpp"
 #include "sched/fiber.hpp"
+#include "sched/membarrier.hpp"
 #include "sched/processor.hpp"
 #include "sched/scheduler_impl.hpp"
 #include "sched/timer.hpp"
@@ -34,39 +30,6 @@
 namespace fiber::detail {
 
 // ------------------------------------------------------------------------------ the hazard word
-
-namespace {
-
-#if defined(SYS_membarrier) && defined(FIBER_HAVE_MEMBARRIER)
-// Registers the process for private expedited membarriers, once. False where the kernel (or a
-// seccomp profile) does not offer it.
-bool membarrier_available() noexcept {
-  static const bool ok = [] {
-    const long cmds = ::syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
-    if (cmds < 0 || (cmds & MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return false;
-    return ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
-  }();
-  return ok;
-}
-bool membarrier_heavy() noexcept { return ::syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0; }
-#else
-bool membarrier_available() noexcept { return false; }
-bool membarrier_heavy() noexcept { return false; }
-#endif
-
-void full_fence() noexcept {
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpragmas"
-#pragma GCC diagnostic ignored "-Wtsan"  // TSan ignores fences; the hazard's acquire/release is what it checks
-#endif
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-}
-
-}  // namespace
 
 void FiberReadHazard::enable() noexcept {
   membarrier_ = membarrier_available();
@@ -338,7 +301,7 @@ Monitor::Pace Monitor::sample(int64_t now) {
     if (ran < threshold_ns_) continue;
     if (!w.stalled) {
       w.stalled = true;
-      w.queued = p.stealer().len() + (p.lifo_occupied() ? 1 : 0);
+      w.queued = p.stealer().len() + (p.lifo_occupied() ? 1 : 0) + (p.yielded_occupied() ? 1 : 0);
     }
     // Name the culprit before the rescue: once its queue moves it may well stop blocking.
     std::optional<Culprit> culprit;
@@ -363,8 +326,9 @@ Monitor::Pace Monitor::sample(int64_t now) {
 
 // The fibers queued behind a stalled processor go where others can run them.
 void Monitor::rescue(Processor& p, int64_t now) {
-  // The LIFO slot is the one place other processors do not steal from.
+  // The LIFO and yield slots are the places other processors do not steal from.
   if (Fiber* f = p.steal_lifo()) sched_.inject(f);  // inject wakes a sleeper
+  if (Fiber* f = p.steal_yielded()) sched_.inject(f);
   // Its timers fire only on its thread: fire the due ones here (the timer queue is locked, and
   // the woken fibers go to the injector, since this thread is not a processor).
   if (p.timers().next_deadline() <= now) p.timers().fire_expired(now);
@@ -450,7 +414,9 @@ bool Monitor::work_pending() const noexcept {
   const uint32_t slots = sched_.processor_slots();
   for (uint32_t i = 0; i < slots; ++i) {
     Processor& p = sched_.processor(i);
-    if (p.life() == Processor::Life::Running && (!p.stealer().is_empty() || p.lifo_occupied())) return true;
+    if (p.life() == Processor::Life::Running && (!p.stealer().is_empty() || p.lifo_occupied() || p.yielded_occupied())) {
+      return true;
+    }
   }
   return false;
 }

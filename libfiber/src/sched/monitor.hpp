@@ -5,9 +5,9 @@
 // running processor's switch counter and current fiber. A processor whose counter has not moved
 // for `threshold` while a fiber (not its loop) is current is *stalled*; the monitor then, on
 // every sample until it switches:
-//   - moves the fiber in its LIFO slot to the injector (which wakes a sleeper), fires its expired
-//     timers (their fibers go to the injector too), and wakes a sleeper if its ring has fibers,
-//     so idle processors steal them;
+//   - moves the fibers in its LIFO and yield slots to the injector (which wakes a sleeper), fires
+//     its expired timers (their fibers go to the injector too), and wakes a sleeper if its ring
+//     has fibers, so idle processors steal them;
 //   - decides once whether it is *blocked*: its thread is in the kernel (an unhooked blocking
 //     call: /proc/self/task/TID/syscall names it) or is using CPU (a loop: its thread CPU clock
 //     moved by at least a quarter of the threshold since a quarter of the threshold into the
@@ -18,8 +18,9 @@
 //     run, starts an extra processor. Extras retire by themselves (Processor::try_retire).
 //
 // The monitor never touches a processor's owner-only state. It reads `switches_` and `current_`
-// (atomics), takes the LIFO slot with the same exchange the owner uses, steals nothing itself
-// (the ring's stealers are the processors), and fires timers under the timer queue's lock.
+// (atomics), takes the LIFO slot with the same exchange the owner uses and the yield slot by
+// OwnerSlot's membarrier protocol, steals nothing itself (the ring's stealers are the
+// processors), and fires timers under the timer queue's lock.
 //
 // Reading the blocked fiber's id and name: the fiber may finish (and be freed) at any moment, so
 // the monitor announces the fiber in a hazard word, then re-checks that the processor has not

@@ -2,13 +2,13 @@
 // the short version:
 //
 //   loop:  find_work() -> run it | park the thread in the poller
-//   yield: find_work() -> switch to it, the other side enqueues us at the tail
+//   yield: find_work() -> switch to it, the other side enqueues us at the tail (or the yield slot)
 //   park:  find_work() -> switch to it (or to the loop), the other side publishes us as Parked
 //
 // find_work() (DESIGN §5): tick; every kEventInterval ticks poll timers/inbox; the LIFO slot (at
 // most kMaxLifoInARow times in a row); once due (kGlobalInterval ticks since the last time) the
-// injector first; the local queue; a batch from the injector; steal half from a victim; poll
-// again; nothing.
+// injector first; the yield slot once due; the local queue; the yield slot; a batch from the
+// injector; steal half from a victim; poll again; nothing.
 #include "sched/processor.hpp"
 
 #include <pthread.h>
@@ -217,7 +217,7 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
     case After::Nothing:
       break;
     case After::Yield:
-      m.p->schedule_yield(m.from);
+      m.p->schedule_yielded(m.from);
       break;
     case After::Park:
       m.p->publish_parked(m.from);
@@ -423,6 +423,22 @@ void Processor::schedule_local(Fiber* f) noexcept {
   if (sched_.idle().should_wake()) sched_.notify_parked();
 }
 
+// A fiber that yielded goes behind the fibers queued now. While every processor is busy, none
+// would steal it before we get to it, so it waits in the yield slot rather than the ring, and
+// goes before the queue once as many picks have passed as there were fibers queued ahead of it
+// (take_yielded_if_due). Taking it back costs no CAS, which taking from the ring does (it
+// races thieves): a yield loop's dominant cost. With a processor idle or searching it goes to
+// the ring, where that one can steal it, as before. A fiber already in the slot keeps it.
+void Processor::schedule_yielded(Fiber* f) noexcept {
+  if (!yielded_.occupied_for_owner() && sched_.idle().all_busy()) {
+    // Each later pick ticks once: the queued fibers take the next len() ticks, then it is due.
+    yielded_due_ = tick_ + stealer_.len() + 1;
+    yielded_.put(f);
+    return;
+  }
+  schedule_yield(f);
+}
+
 void Processor::schedule_yield(Fiber* f) noexcept {
   queue_.push_back_or_overflow(f, sched_.injector());
   if (sched_.idle().should_wake()) sched_.notify_parked();
@@ -473,7 +489,7 @@ Fiber* Processor::take_lifo() noexcept {
 Fiber* Processor::steal_lifo() noexcept { return take_lifo(); }
 
 bool Processor::has_local_work() const noexcept {
-  return lifo_.load(std::memory_order_acquire) != nullptr || queue_.has_tasks() ||
+  return lifo_.load(std::memory_order_acquire) != nullptr || queue_.has_tasks() || yielded_.occupied() ||
          inbox_nonempty_.load(std::memory_order_acquire);
 }
 
@@ -499,7 +515,9 @@ Fiber* Processor::next_local() noexcept {
     last_injector_tick_ = tick_;
     if (Fiber* f = sched_.injector().pop()) return f;
   }
+  if (Fiber* f = take_yielded_if_due()) return f;
   if (Fiber* f = queue_.pop()) return f;
+  if (Fiber* f = yielded_.take()) return f;
   // Refill from the injector: at most half a ring, so the rest stays for other processors.
   return refill_from_injector();
 }
@@ -562,10 +580,11 @@ bool Processor::maintenance() noexcept {
         ++lifo_in_a_row_;
         return f;
       }
-    } else if (!queue_.has_tasks()) {
-      // Past the LIFO limit with nobody queued to starve: next_local() would move the LIFO
-      // fiber to the back of the empty ring and pop it again (a push and a CAS for a ping-pong
-      // pair every fourth switch). Take it as that queue pick.
+    } else if (!queue_.has_tasks() && !yielded_.occupied_for_owner()) {
+      // Past the LIFO limit with nobody queued to starve (the yield slot's fiber counts as
+      // queued): next_local() would move the LIFO fiber to the back of the empty ring and pop
+      // it again (a push and a CAS for a ping-pong pair every fourth switch). Take it as that
+      // queue pick.
       if (Fiber* f = take_lifo()) {
         lifo_in_a_row_ = 0;
         return f;
@@ -573,7 +592,9 @@ bool Processor::maintenance() noexcept {
     }
     if (lifo_.load(std::memory_order_relaxed) == nullptr) {
       lifo_in_a_row_ = 0;
+      if (Fiber* f = take_yielded_if_due()) return f;
       if (Fiber* f = queue_.pop()) return f;
+      if (Fiber* f = yielded_.take()) return f;
     }
   }
   return find_work_slow();
@@ -674,7 +695,7 @@ void Processor::stats_into(ProcessorStats& out) const noexcept {
   out.spawned = spawned_.load(std::memory_order_relaxed);
   out.finished = finished_.load(std::memory_order_relaxed);
   for (std::size_t i = 0; i < kParkReasons; ++i) out.parks[i] = parks_[i].load(std::memory_order_relaxed);
-  out.local_queue = stealer_.len();
+  out.local_queue = stealer_.len() + (yielded_.occupied() ? 1 : 0);
   out.lifo_slot = lifo_occupied();
   std::lock_guard lock(life_mu_);  // the poller comes and goes with the thread
   out.io_submitted = io_submitted_retired_;

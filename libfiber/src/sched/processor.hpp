@@ -33,6 +33,7 @@
 #include "sched/fiber.hpp"
 #include "sched/injector.hpp"
 #include "sched/local_queue.hpp"
+#include "sched/owner_slot.hpp"
 #include "sched/timer.hpp"
 #include "fiber/stats.hpp"
 
@@ -88,7 +89,10 @@ class Processor {
   // Takes the fiber waiting in the LIFO slot, if any (the monitor moves it to the injector
   // while this processor is blocked).
   Fiber* steal_lifo() noexcept;
+  // Takes the fiber waiting in the yield slot, if any (the same rescue).
+  Fiber* steal_yielded() noexcept { return yielded_.steal(); }
   bool lifo_occupied() const noexcept { return lifo_.load(std::memory_order_acquire) != nullptr; }
+  bool yielded_occupied() const noexcept { return yielded_.occupied(); }
   bool inbox_pending() const noexcept { return inbox_nonempty_.load(std::memory_order_acquire); }
 
   // ---- Executed only by the running fiber of the calling thread's processor. Static because
@@ -119,6 +123,7 @@ class Processor {
   // ---- Executed only by the owner thread (fiber or loop context).
   void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
   [[gnu::noinline]] void schedule_yield(Fiber* f) noexcept;  // a yielding fiber: tail of the queue
+  void schedule_yielded(Fiber* f) noexcept;  // the same, or the yield slot: see there
   // block_on group counts, kept as a debt (sched/group.hpp). A member of `g` finished here.
   void group_member_done(Group* g) noexcept {
     if (g != debt_group_) {
@@ -173,6 +178,12 @@ class Processor {
   [[gnu::noinline]] Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
+  // The yield slot's fiber once the fibers queued ahead of it when it yielded have had their
+  // picks (yielded_due_), or nullptr.
+  Fiber* take_yielded_if_due() noexcept {
+    if (!yielded_.occupied_for_owner() || static_cast<int32_t>(tick_ - yielded_due_) < 0) return nullptr;
+    return yielded_.take();
+  }
   // kGlobalInterval picks have passed since next_local() last read the injector first.
   bool injector_due() const noexcept { return tick_ - last_injector_tick_ >= kGlobalInterval; }
   Fiber* steal_work() noexcept;
@@ -211,6 +222,7 @@ class Processor {
   uint32_t tick_ = 0;
   uint32_t last_injector_tick_ = 0;  // tick_ when next_local() last read the injector first
   uint32_t lifo_in_a_row_ = 0;
+  uint32_t yielded_due_ = 0;  // the tick from which the yield slot's fiber goes before the queue
   bool searching_ = false;  // mirrors our share of Idle's searching count
   bool retired_ = false;    // try_retire() succeeded: leave the loop
   uint32_t rng_;            // victim selection
@@ -234,6 +246,10 @@ class Processor {
   // A woken fiber waiting to run next. Exchanged by the owner, and by the monitor when this
   // processor is blocked (steal_lifo), so take and put are atomic RMWs.
   std::atomic<Fiber*> lifo_{nullptr};
+  // The fiber that yielded last, when no other processor could take it sooner (see
+  // schedule_yielded): in effect the tail of the queue, but put and taken without a locked
+  // instruction. The owner puts and takes; the monitor steals. See sched/owner_slot.hpp.
+  OwnerSlot yielded_;
   TimerQueue timers_;
   // Created on the thread when it starts, destroyed by it when it retires, both under life_mu_.
   // Wakers reach it only through the idle state, which keeps a retiring processor waiting
