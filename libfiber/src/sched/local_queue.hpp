@@ -131,6 +131,14 @@ class LocalQueue {
     inner_->tail.store(tail + n, std::memory_order_release);  // as in push_back_or_overflow
   }
 
+  // What pop() would return next, or nullptr: a hint (a thief may take it first), for
+  // prefetching. Executed only by the owner.
+  T* peek() const noexcept {
+    const QueueHead h = QueueHead::unpack(inner_->head.load(std::memory_order_relaxed));
+    if (inner_->tail.load(std::memory_order_relaxed) == h.real) return nullptr;
+    return inner_->buffer[h.real & kMask].load(std::memory_order_relaxed);
+  }
+
   // Pop from the head. Executed only by the owner.
   T* pop() noexcept {
     uint64_t packed = inner_->head.load(std::memory_order_acquire);

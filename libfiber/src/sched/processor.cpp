@@ -516,7 +516,7 @@ Fiber* Processor::next_local() noexcept {
     if (Fiber* f = sched_.injector().pop()) return f;
   }
   if (Fiber* f = take_yielded_if_due()) return f;
-  if (Fiber* f = queue_.pop()) return f;
+  if (Fiber* f = pop_queue()) return f;
   if (Fiber* f = yielded_.take()) return f;
   // Refill from the injector: at most half a ring, so the rest stays for other processors.
   return refill_from_injector();
@@ -593,7 +593,7 @@ bool Processor::maintenance() noexcept {
     if (lifo_.load(std::memory_order_relaxed) == nullptr) {
       lifo_in_a_row_ = 0;
       if (Fiber* f = take_yielded_if_due()) return f;
-      if (Fiber* f = queue_.pop()) return f;
+      if (Fiber* f = pop_queue()) return f;
       if (Fiber* f = yielded_.take()) return f;
     }
   }

@@ -178,6 +178,21 @@ class Processor {
   [[gnu::noinline]] Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
+  // queue_.pop(), and a prefetch of the control block of the fiber queued after it. A million
+  // fibers spawned in a burst (spawn_1t) are a million control blocks long out of cache; each
+  // one's misses then overlap with the run of the one before.
+  Fiber* pop_queue() noexcept {
+    Fiber* f = queue_.pop();
+    if (f != nullptr) {
+      if (const Fiber* n = queue_.peek()) {
+        const char* p = reinterpret_cast<const char*>(n);
+        __builtin_prefetch(p, 1);
+        __builtin_prefetch(p + 64, 1);
+        __builtin_prefetch(p + 128, 1);
+      }
+    }
+    return f;
+  }
   // The yield slot's fiber once the fibers queued ahead of it when it yielded have had their
   // picks (yielded_due_), or nullptr.
   Fiber* take_yielded_if_due() noexcept {
