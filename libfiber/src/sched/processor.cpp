@@ -426,13 +426,13 @@ void Processor::schedule_local(Fiber* f) noexcept {
 // A fiber that yielded goes behind the fibers queued now. While every processor is busy, none
 // would steal it before we get to it, so it waits in the yield slot rather than the ring, and
 // goes before the queue once as many picks have passed as there were fibers queued ahead of it
-// (take_yielded_if_due). Taking it back costs no CAS, which taking from the ring does (it
+// (take_queued). Taking it back costs no CAS, which taking from the ring does (it
 // races thieves): a yield loop's dominant cost. With a processor idle or searching it goes to
 // the ring, where that one can steal it, as before. A fiber already in the slot keeps it.
 void Processor::schedule_yielded(Fiber* f) noexcept {
   if (!yielded_.occupied_for_owner() && sched_.idle().all_busy()) {
     // Each later pick ticks once: the queued fibers take the next len() ticks, then it is due.
-    yielded_due_ = tick_ + stealer_.len() + 1;
+    yielded_due_ = tick_ + queue_.len() + 1;
     yielded_.put(f);
     return;
   }
@@ -515,9 +515,7 @@ Fiber* Processor::next_local() noexcept {
     last_injector_tick_ = tick_;
     if (Fiber* f = sched_.injector().pop()) return f;
   }
-  if (Fiber* f = take_yielded_if_due()) return f;
-  if (Fiber* f = pop_queue()) return f;
-  if (Fiber* f = yielded_.take()) return f;
+  if (Fiber* f = take_queued()) return f;
   // Refill from the injector: at most half a ring, so the rest stays for other processors.
   return refill_from_injector();
 }
@@ -592,9 +590,7 @@ bool Processor::maintenance() noexcept {
     }
     if (lifo_.load(std::memory_order_relaxed) == nullptr) {
       lifo_in_a_row_ = 0;
-      if (Fiber* f = take_yielded_if_due()) return f;
-      if (Fiber* f = pop_queue()) return f;
-      if (Fiber* f = yielded_.take()) return f;
+      if (Fiber* f = take_queued()) return f;
     }
   }
   return find_work_slow();
