@@ -1,8 +1,9 @@
 // Tests for OwnerSlot (sched/owner_slot.hpp): the one-fiber slot whose owner uses plain loads
 // and stores while a thief may take the fiber through the membarrier protocol.
 //
-//   1. Single-threaded: put, take, occupancy, steal from an idle owner.
-//   2. Stress: an owner putting and taking as fast as it can, a thief stealing as fast as it can;
+//   1. Single-threaded: put, exchange, take, occupancy, steal from an idle owner.
+//   2. Stress: an owner putting, exchanging and taking as fast as it can, a thief stealing as
+//      fast as it can;
 //      every value put comes out exactly once (no loss, no duplicate), counted.
 //
 // The slot never dereferences what it holds, so the values are distinct fake Fiber pointers.
@@ -45,6 +46,13 @@ TEST_CASE("OwnerSlot: put, take, occupancy and a steal, on one thread") {
   slot.put(fake(3));
   CHECK(slot.take() == fake(3));
   CHECK(slot.steal() == nullptr);
+  // exchange: puts whether or not the slot is empty, and hands back what it held.
+  CHECK(slot.exchange(fake(4)) == nullptr);
+  CHECK(slot.exchange(fake(5)) == fake(4));
+  CHECK(slot.occupied_for_owner());
+  CHECK(slot.steal() == fake(5));
+  CHECK(slot.exchange(fake(6)) == nullptr);
+  CHECK(slot.take() == fake(6));
 }
 
 TEST_CASE("OwnerSlot: stress, one owner and one thief, every value comes out exactly once") {
@@ -62,10 +70,15 @@ TEST_CASE("OwnerSlot: stress, one owner and one thief, every value comes out exa
   uint64_t next = 1;
   uint32_t rng = 12345;
   while (next <= n) {
-    if (!slot.occupied_for_owner()) slot.put(fake(next++));
     rng ^= rng << 13;
     rng ^= rng >> 17;
     rng ^= rng << 5;
+    if (rng & 2) {
+      // As schedule_local does: the new fiber goes in, the one it displaces is ours.
+      if (Fiber* prev = slot.exchange(fake(next++))) taken.push_back(id_of(prev));
+    } else if (!slot.occupied_for_owner()) {
+      slot.put(fake(next++));
+    }
     if (rng & 1) {
       if (Fiber* f = slot.take()) taken.push_back(id_of(f));
     }

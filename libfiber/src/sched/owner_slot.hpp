@@ -1,8 +1,10 @@
 // OwnerSlot: a one-fiber slot that its owner thread puts to and takes from without a locked
 // instruction, and that one other thread (the watchdog's monitor) may still empty while the
-// owner is stuck in a fiber. A processor keeps the fiber that yielded last here (see
-// Processor::schedule_yielded): a yield then costs no atomic read-modify-write, where taking
-// the next fiber from the stealable ring costs a CAS (5 of yield's 16 ns on this machine).
+// owner is stuck in a fiber. A processor has two: its LIFO slot (the fiber woken last, to run
+// next: Processor::schedule_local) and its yield slot (the fiber that yielded last, see
+// Processor::schedule_yielded). Putting and taking with atomic exchanges cost about 5 ns each
+// on this machine: a quarter of a yield, and a sixth of a channel ping-pong's round trip, whose
+// every wake puts a fiber in the LIFO slot and whose every park takes it back out.
 //
 // The rare steal pays instead of the owner:
 //
@@ -18,9 +20,9 @@
 // shared_, so it takes the slow path: atomic exchanges against atomic exchanges. Without
 // membarrier the slot is shared from the start and every owner op is an exchange.
 //
-// Invariants: only the owner thread calls put() and take(); one thief at a time (the monitor
-// thread) calls steal(); a fiber in the slot is Runnable and owned by the slot, so whoever
-// takes it runs (or queues) it, exactly once.
+// Invariants: only the owner thread calls put(), exchange() and take(); one thief at a time
+// (the monitor thread) calls steal(); a fiber in the slot is Runnable and owned by the slot, so
+// whoever takes it runs (or queues) it, exactly once.
 #pragma once
 
 #include <atomic>
@@ -48,6 +50,15 @@ class OwnerSlot {
     }
     slot_.store(f, std::memory_order_release);  // pairs with the thief's exchange
     leave_plain();
+  }
+
+  // Owner: puts `f` in the slot and returns the fiber it held, or nullptr.
+  Fiber* exchange(Fiber* f) noexcept {
+    if (!enter_plain()) [[unlikely]] return slot_.exchange(f, std::memory_order_acq_rel);
+    Fiber* prev = slot_.load(std::memory_order_relaxed);  // ours: only we put fibers here
+    slot_.store(f, std::memory_order_release);             // pairs with the thief's exchange
+    leave_plain();
+    return prev;
   }
 
   // Owner: takes the fiber in the slot, or nullptr.

@@ -417,7 +417,7 @@ void Processor::settle_group_debt_now() noexcept {
 }
 
 void Processor::schedule_local(Fiber* f) noexcept {
-  Fiber* prev = lifo_.exchange(f, std::memory_order_acq_rel);
+  Fiber* prev = lifo_.exchange(f);
   if (prev == nullptr) return;  // the LIFO slot is not stealable: no one to tell
   queue_.push_back_or_overflow(prev, sched_.injector());
   if (sched_.idle().should_wake()) sched_.notify_parked();
@@ -479,17 +479,13 @@ bool Processor::drain_inbox() noexcept {
   return any;
 }
 
-Fiber* Processor::take_lifo() noexcept {
-  if (lifo_.load(std::memory_order_relaxed) == nullptr) return nullptr;
-  return lifo_.exchange(nullptr, std::memory_order_acq_rel);
-}
+Fiber* Processor::take_lifo() noexcept { return lifo_.take(); }
 
-// The monitor's take: the same exchange, so the owner and the monitor never both get the fiber.
-// Acquire pairs with the exchange that put it there (the fiber's state is visible to us).
-Fiber* Processor::steal_lifo() noexcept { return take_lifo(); }
+// The monitor's take: the owner and the monitor never both get the fiber (owner_slot.hpp).
+Fiber* Processor::steal_lifo() noexcept { return lifo_.steal(); }
 
 bool Processor::has_local_work() const noexcept {
-  return lifo_.load(std::memory_order_acquire) != nullptr || queue_.has_tasks() || yielded_.occupied() ||
+  return lifo_.occupied() || queue_.has_tasks() || yielded_.occupied() ||
          inbox_nonempty_.load(std::memory_order_acquire);
 }
 
@@ -588,7 +584,7 @@ bool Processor::maintenance() noexcept {
         return f;
       }
     }
-    if (lifo_.load(std::memory_order_relaxed) == nullptr) {
+    if (!lifo_.occupied_for_owner()) {
       lifo_in_a_row_ = 0;
       if (Fiber* f = take_queued()) return f;
     }

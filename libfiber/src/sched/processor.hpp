@@ -91,7 +91,7 @@ class Processor {
   Fiber* steal_lifo() noexcept;
   // Takes the fiber waiting in the yield slot, if any (the same rescue).
   Fiber* steal_yielded() noexcept { return yielded_.steal(); }
-  bool lifo_occupied() const noexcept { return lifo_.load(std::memory_order_acquire) != nullptr; }
+  bool lifo_occupied() const noexcept { return lifo_.occupied(); }
   bool yielded_occupied() const noexcept { return yielded_.occupied(); }
   bool inbox_pending() const noexcept { return inbox_nonempty_.load(std::memory_order_acquire); }
 
@@ -260,9 +260,9 @@ class Processor {
 
   // ---- shared state
   RunQueue::Stealer stealer_;
-  // A woken fiber waiting to run next. Exchanged by the owner, and by the monitor when this
-  // processor is blocked (steal_lifo), so take and put are atomic RMWs.
-  std::atomic<Fiber*> lifo_{nullptr};
+  // A woken fiber waiting to run next. The owner puts and takes; the monitor steals when this
+  // processor is blocked (steal_lifo). See sched/owner_slot.hpp.
+  OwnerSlot lifo_;
   // The fiber that yielded last, when no other processor could take it sooner (see
   // schedule_yielded): in effect the tail of the queue, but put and taken without a locked
   // instruction. The owner puts and takes; the monitor steals. See sched/owner_slot.hpp.
