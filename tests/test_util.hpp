@@ -7,6 +7,7 @@
 //                               scheduler must have no live fibers left.
 //   Watchdog / with_watchdog    abort the whole run with a message (instead of hanging the suite)
 //                               when a body does not finish in time: a lost wakeup must fail.
+//                               Before aborting it prints fiber::dump and (with gdb) the stacks.
 //   run_on_thread               runs a body on a fresh std::thread (a plain, non-fiber thread),
 //                               under a watchdog, and rethrows what it threw.
 //   wait_for / quiesce          bounded polling.
@@ -20,6 +21,7 @@
 #include <fiber/fiber.hpp>
 
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -31,6 +33,7 @@
 #include <cstdlib>
 #include <exception>
 #include <initializer_list>
+#include <iostream>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -125,9 +128,35 @@ class Watchdog {
                  "Aborting the test run. ***\n",
                  what_.c_str(), static_cast<long long>(limit_.count()));
     std::fflush(stderr);
+    report_hang();
     FAIL_CHECK("watchdog expired: '" << what_ << "' did not finish within " << limit_.count() << " ms");
     std::fflush(stdout);
     std::abort();
+  }
+
+  // What the hang looks like, printed to stderr before the abort: every scheduler's fibers and
+  // processors (fiber::dump), then, where gdb is installed, every thread's and every parked
+  // fiber's stack. Each step is bounded in time, so a dump that blocks on a lock the hung code
+  // holds cannot keep the run from ending.
+  static void report_hang() {
+    static std::atomic<bool> dumped{false};
+    std::thread([] {
+      fiber::dump(std::cerr);
+      std::cerr.flush();
+      dumped = true;
+    }).detach();
+    for (int i = 0; i < 50 && !dumped; ++i) std::this_thread::sleep_for(100ms);
+    if (!dumped) std::fprintf(stderr, "(fiber::dump did not finish within 5 s)\n");
+#ifdef FIBER_TEST_GDB_SCRIPT
+    if (std::system("command -v gdb >/dev/null 2>&1") != 0) return;
+    ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // Yama: let a child attach to us
+    const std::string cmd = "timeout -s KILL 60 gdb -batch -nx -p " + std::to_string(::getpid()) + " -x '" +
+                            FIBER_TEST_GDB_SCRIPT +
+                            "' -ex 'info fibers' -ex 'fiber bt all' -ex 'thread apply all bt' </dev/null 1>&2";
+    std::fprintf(stderr, "--- %s\n", cmd.c_str());
+    std::fflush(stderr);
+    (void)std::system(cmd.c_str());
+#endif
   }
 
   std::string what_;

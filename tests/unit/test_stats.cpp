@@ -150,6 +150,9 @@ TEST_CASE("dump and live_fibers: fibers spawned and still queued are counted, no
   CHECK(live_inside == 4);
   CHECK(contains(d, "scheduler 'dump-queued': 4 live fibers"));
   CHECK(contains(d, "3 queued, not started yet"));
+  // The processor lines: who is awake, and what waits where.
+  CHECK(contains(d, "1 of 1 processors awake"));
+  CHECK(contains(d, "P0: awake, "));
   CHECK(s.live_fibers() == 0);
 }
 

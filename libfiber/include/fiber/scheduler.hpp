@@ -128,7 +128,7 @@ class FIBER_API Scheduler {
   // Counters of this scheduler and its processors (see fiber/stats.hpp).
   SchedulerStats stats() const;
   // This scheduler's live fibers, one line each for those that have started (a queued one,
-  // not yet run, is only counted); see fiber::dump for all schedulers.
+  // not yet run, is only counted), and its processors' states; see fiber::dump for all schedulers.
   void dump(std::ostream& out) const;
 
   // The process-wide default scheduler, started on first use. It is never destroyed.

@@ -64,7 +64,10 @@ struct SchedulerStats {
 FIBER_API SchedulerStats stats();
 // Every live fiber of every scheduler: id, name, state, park reason, the processor it last ran
 // on and how long it has waited (to within a few milliseconds), one line each. Fibers spawned
-// and still queued, never run, are counted in one line ("N queued, not started yet").
+// and still queued, never run, are counted in one line ("N queued, not started yet"). Above the
+// fibers: how many processors are awake or searching, the fibers in the global queue, and one
+// line per processor (awake or asleep, fibers queued on it and in its LIFO slot, switches, I/O
+// in flight). A runnable fiber while every processor sleeps is a lost wakeup.
 FIBER_API void dump(std::ostream& out);
 
 }  // namespace fiber

@@ -173,7 +173,7 @@ class Idle {
     return true;
   }
 
-  bool is_parked(uint32_t id) {
+  bool is_parked(uint32_t id) const {
     std::lock_guard lock(mu_);
     return std::find(sleepers_.begin(), sleepers_.end(), id) != sleepers_.end();
   }
@@ -190,7 +190,7 @@ class Idle {
  private:
   std::atomic<uint32_t> num_;     // processors taking part; written under mu_
   std::atomic<uint32_t> counts_;  // IdleCounts; see the rules above
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<uint32_t> sleepers_;  // GUARDED_BY(mu_)
   // Per processor id: wakers between taking it off the list and waking its poller.
   std::unique_ptr<std::atomic<uint32_t>[]> waking_;

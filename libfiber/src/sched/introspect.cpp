@@ -162,6 +162,18 @@ void SchedulerImpl::dump(std::ostream& out) const {
   const std::size_t shown = std::max(live, lines.size());
   out << "scheduler '" << name_ << "': " << shown << " live fibers, " << base_ << " processors\n";
   if (shown > lines.size()) out << "  " << shown - lines.size() << " queued, not started yet\n";
+  // Where runnable fibers wait and who is awake to run them: what a lost wakeup looks like.
+  const IdleCounts counts = idle_.counts();
+  out << "  " << counts.unparked() << " of " << idle_.num_processors() << " processors awake, " << counts.searching()
+      << " searching; " << injector_.len() << " in the global queue\n";
+  for (uint32_t i = 0; i < processor_slots(); ++i) {
+    ProcessorStats p;
+    processors_[i]->stats_into(p);
+    if (!p.running && i >= base_) continue;  // an extra processor that is not running now
+    out << "  P" << i << ": " << (!p.running ? "stopped" : idle_.is_parked(i) ? "asleep" : "awake") << ", "
+        << p.local_queue << " queued" << (p.lifo_slot ? " + 1 in the LIFO slot" : "") << ", " << p.switches
+        << " switches, " << p.io_inflight << " I/O in flight\n";
+  }
   for (const Line& l : lines) {
     out << "  fiber #" << l.id;
     if (!l.name.empty()) out << " '" << l.name << "'";
