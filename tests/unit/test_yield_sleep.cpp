@@ -95,30 +95,33 @@ TEST_CASE("yield: two fibers yielding to each other do not starve a queued one (
   with_watchdog(20'000ms, "yield pair starvation", [] {
     fiber::Scheduler s({.processors = 1, .name = "pair"});
     std::atomic<bool> stop{false};
-    std::atomic<long> yields{0};
+    std::atomic<long> yields[2] = {0, 0};
     fiber::Channel<int> wake;
     auto pinned = fiber::spawn({.scheduler = &s}, [&] {
       fiber::this_fiber::PinGuard pin;
       return wake.recv().value_or(-1);
     });
-    auto yielder = [&] {
+    auto yielder = [&](int me) {
       long n = 0;
       while (!stop.load()) {
         fiber::this_fiber::yield();
-        yields.fetch_add(1);
+        yields[me].fetch_add(1);
         ++n;
       }
       return n;
     };
-    auto a = fiber::spawn({.scheduler = &s}, yielder);
-    auto b = fiber::spawn({.scheduler = &s}, yielder);
-    REQUIRE(wait_for([&] { return yields.load() > 1000; }));
+    auto a = fiber::spawn({.scheduler = &s}, yielder, 0);
+    auto b = fiber::spawn({.scheduler = &s}, yielder, 1);
+    // The pair is in place before the wake: each has yielded many times. (Waiting for the sum
+    // let a loaded machine send the wake while the second one was still in the injector.)
+    REQUIRE(wait_for([&] { return yields[0].load() > 1000 && yields[1].load() > 1000; }));
     wake.send(7);  // from this plain thread: the pinned fiber goes through the inbox
     CHECK_MESSAGE(pinned.wait_for(scaled(5'000ms)), "the woken fiber never ran behind the yielding pair");
     stop = true;
     CHECK(pinned.join() == 7);
-    CHECK(a.join() > 0);
-    CHECK(b.join() > 0);
+    const long na = a.join(), nb = b.join();
+    CHECK(na == yields[0].load());
+    CHECK(nb == yields[1].load());
   });
 }
 
