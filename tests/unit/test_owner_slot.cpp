@@ -59,17 +59,21 @@ TEST_CASE("OwnerSlot: stress, one owner and one thief, every value comes out exa
   const uint64_t n = fiber_test::kSanitized ? 200'000 : 2'000'000;
   OwnerSlot slot;
   std::atomic<bool> done{false};
+  std::atomic<uint64_t> steals{0};
   std::vector<uint64_t> stolen;
   std::thread thief([&] {
     while (!done.load(std::memory_order_acquire)) {
-      if (Fiber* f = slot.steal()) stolen.push_back(id_of(f));
+      if (Fiber* f = slot.steal()) {
+        stolen.push_back(id_of(f));
+        steals.fetch_add(1, std::memory_order_relaxed);
+      }
     }
   });
   std::vector<uint64_t> taken;
   taken.reserve(n);
   uint64_t next = 1;
   uint32_t rng = 12345;
-  while (next <= n) {
+  auto step = [&] {
     rng ^= rng << 13;
     rng ^= rng >> 17;
     rng ^= rng << 5;
@@ -82,16 +86,23 @@ TEST_CASE("OwnerSlot: stress, one owner and one thief, every value comes out exa
     if (rng & 1) {
       if (Fiber* f = slot.take()) taken.push_back(id_of(f));
     }
+  };
+  while (next <= n) step();
+  // On a loaded machine the thief may not have run yet: go on until the race has happened.
+  const auto deadline = fiber_test::Clock::now() + fiber_test::scaled(std::chrono::milliseconds(20'000));
+  while (steals.load(std::memory_order_relaxed) == 0 && fiber_test::Clock::now() < deadline) {
+    for (int i = 0; i < 1000; ++i) step();
   }
   done.store(true, std::memory_order_release);
   thief.join();
   if (Fiber* f = slot.take()) taken.push_back(id_of(f));
 
-  std::vector<uint8_t> seen(n + 1, 0);
+  const uint64_t put = next - 1;
+  std::vector<uint8_t> seen(put + 1, 0);
   uint64_t out_of_range = 0, duplicates = 0;
   for (const auto* v : {&taken, &stolen}) {
     for (uint64_t id : *v) {
-      if (id == 0 || id > n) {
+      if (id == 0 || id > put) {
         ++out_of_range;
       } else if (seen[id]++ != 0) {
         ++duplicates;
@@ -99,7 +110,7 @@ TEST_CASE("OwnerSlot: stress, one owner and one thief, every value comes out exa
     }
   }
   uint64_t missing = 0;
-  for (uint64_t id = 1; id <= n; ++id) missing += seen[id] == 0;
+  for (uint64_t id = 1; id <= put; ++id) missing += seen[id] == 0;
   MESSAGE("owner took " << taken.size() << ", thief stole " << stolen.size());
   CHECK(out_of_range == 0);
   CHECK(duplicates == 0);

@@ -176,10 +176,14 @@ TEST_CASE("rwmutex: timed variants - never before the deadline") {
     CHECK(mu.try_lock_shared());
     mu.unlock_shared();
     mu.unlock_shared();
-    // And readers queued behind it are released when it gives up.
+    // And readers queued behind it are released when it gives up. It tries again until the
+    // reader is in, so a main thread preempted past one 30 ms window still finds it queued; a
+    // reader not released stays out for good and the watchdog ends the run.
     mu.lock_shared();
     std::atomic<bool> reader_in{false};
-    team.spawn(w, s, [&] { CHECK_FALSE(mu.try_lock_for(30ms)); });
+    team.spawn(w, s, [&] {
+      while (!reader_in.load()) CHECK_FALSE(mu.try_lock_for(30ms));
+    });
     wait_writer_queued(mu);
     team.spawn(Where::fiber, s, [&] {
       std::shared_lock r(mu);

@@ -1,0 +1,160 @@
+// Tests for TimerQueue (sched/timer.hpp), the per-processor heap of deadlines: which timers
+// fire_expired() claims, and in what order, on deadlines made up for the test (no clock, no
+// sleeping, so nothing here depends on how the OS schedules threads).
+//
+//   1. Only entries due at `now` fire, earliest deadline first, whatever the order of adding.
+//   2. Equal deadlines fire in the order they were added (the 16-per-call batch shows it).
+//   3. A removed entry never fires; next_deadline() follows the heap's head.
+//   4. Randomised against a sorted model.
+//
+// The waiters belong to a plain thread (each test body runs on a fresh one): a claim then only
+// records the reason in the Waiter, which is what the checks read.
+#include "sched/timer.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using fiber::detail::TimerEntry;
+using fiber::detail::TimerQueue;
+using fiber::detail::Waiter;
+using fiber::detail::WakeReason;
+
+// One timer: its wait record and its heap entry.
+struct Timer {
+  Waiter w;
+  TimerEntry e;
+  explicit Timer(int64_t deadline) {
+    fiber::detail::waiter_prepare(w);
+    e.deadline_ns = deadline;
+    e.waiter = &w;
+  }
+  bool fired() const { return fiber::detail::waiter_state(w) == WakeReason::Timeout; }
+};
+
+std::vector<std::unique_ptr<Timer>> make_timers(std::initializer_list<int64_t> deadlines) {
+  std::vector<std::unique_ptr<Timer>> v;
+  for (int64_t d : deadlines) v.push_back(std::make_unique<Timer>(d));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("TimerQueue: only due entries fire, earliest first, whatever the order of adding") {
+  fiber_test::run_on_thread([] {
+    TimerQueue q;
+    auto t = make_timers({30, 10, 20});
+    for (auto& x : t) q.add(&x->e);
+    CHECK(q.size() == 3);
+    CHECK(q.next_deadline() == 10);
+    CHECK(q.fire_expired(9) == 0);
+    CHECK_FALSE(t[1]->fired());
+
+    CHECK(q.fire_expired(15) == 1);
+    CHECK(t[1]->fired());
+    CHECK_FALSE(t[0]->fired());
+    CHECK_FALSE(t[2]->fired());
+    CHECK(q.next_deadline() == 20);
+
+    CHECK(q.fire_expired(20) == 1);  // due at exactly its deadline
+    CHECK(t[2]->fired());
+    CHECK_FALSE(t[0]->fired());
+
+    CHECK(q.fire_expired(1000) == 1);
+    CHECK(t[0]->fired());
+    CHECK(q.size() == 0);
+    CHECK(q.next_deadline() == TimerQueue::kNone);
+  });
+}
+
+TEST_CASE("TimerQueue: equal deadlines fire in the order they were added") {
+  fiber_test::run_on_thread([] {
+    TimerQueue q;
+    // More than one call's batch of 16, all due at once: the first call takes the 16 added
+    // first, and interleaving an earlier deadline in the adds changes nothing about that.
+    std::vector<std::unique_ptr<Timer>> t;
+    for (int i = 0; i < 20; ++i) t.push_back(std::make_unique<Timer>(i == 7 ? 40 : 50));
+    for (auto& x : t) q.add(&x->e);
+    CHECK(q.fire_expired(60) == 16);
+    int fired = 0;
+    for (int i = 0; i < 20; ++i) {
+      CAPTURE(i);
+      const bool first_batch = i < 16;  // the 40 (i = 7), then the first 15 of the 50s
+      CHECK(t[i]->fired() == first_batch);
+      fired += t[i]->fired();
+    }
+    CHECK(fired == 16);
+    CHECK(q.fire_expired(60) == 4);
+    for (auto& x : t) CHECK(x->fired());
+  });
+}
+
+TEST_CASE("TimerQueue: a removed entry never fires; next_deadline follows the head") {
+  fiber_test::run_on_thread([] {
+    TimerQueue q;
+    auto t = make_timers({10, 20, 30});
+    for (auto& x : t) q.add(&x->e);
+    q.remove(&t[0]->e);
+    CHECK(q.next_deadline() == 20);
+    q.remove(&t[0]->e);  // twice: a no-op
+    CHECK(q.size() == 2);
+    CHECK(q.fire_expired(25) == 1);
+    CHECK_FALSE(t[0]->fired());
+    CHECK(t[1]->fired());
+    q.remove(&t[1]->e);  // already fired: a no-op
+    CHECK(q.size() == 1);
+    q.remove(&t[2]->e);
+    CHECK(q.next_deadline() == TimerQueue::kNone);
+    CHECK(q.fire_expired(1000) == 0);
+    CHECK_FALSE(t[2]->fired());
+  });
+}
+
+TEST_CASE("TimerQueue: randomised adds, removes and fires agree with a sorted model") {
+  fiber_test::run_on_thread([] {
+    TimerQueue q;
+    std::vector<std::unique_ptr<Timer>> all;
+    std::vector<std::pair<int64_t, std::size_t>> model;  // (deadline, add order) still queued
+    uint32_t rng = 2463534242u;
+    auto next = [&rng] {
+      rng ^= rng << 13;
+      rng ^= rng >> 17;
+      rng ^= rng << 5;
+      return rng;
+    };
+    int64_t now = 0;
+    for (int step = 0; step < 20'000; ++step) {
+      const uint32_t r = next();
+      if (r % 4 < 2) {
+        all.push_back(std::make_unique<Timer>(now + 1 + static_cast<int64_t>(next() % 200)));
+        q.add(&all.back()->e);
+        model.emplace_back(all.back()->e.deadline_ns, all.size() - 1);
+      } else if (r % 4 == 2 && !model.empty()) {
+        const std::size_t k = next() % model.size();
+        q.remove(&all[model[k].second]->e);
+        model.erase(model.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        now += static_cast<int64_t>(next() % 50);
+        std::sort(model.begin(), model.end());
+        std::size_t due = 0;
+        while (due < model.size() && model[due].first <= now) ++due;
+        const std::size_t expect = std::min<std::size_t>(due, 16);
+        REQUIRE(q.fire_expired(now) == expect);
+        for (std::size_t i = 0; i < model.size(); ++i) {
+          REQUIRE(all[model[i].second]->fired() == (i < expect));
+        }
+        model.erase(model.begin(), model.begin() + static_cast<std::ptrdiff_t>(expect));
+      }
+      REQUIRE(q.size() == model.size());
+      REQUIRE(q.next_deadline() == (model.empty() ? TimerQueue::kNone
+                                                  : std::min_element(model.begin(), model.end())->first));
+    }
+  });
+}
