@@ -11,6 +11,10 @@
 //                          a pseudo-random byte stream per seed: a lost, duplicated or reordered
 //                          piece of a transfer shows as a mismatch at a known offset
 //   open_fd_count()        entries of /proc/self/fd, to check that failing calls leak nothing
+//   held_fd_count() / fd_count_back_to(before)
+//                          the same, counting only what stays: other threads of the process (the
+//                          watchdog's monitor reads /proc) hold a descriptor for a moment now and
+//                          then, which a single look may catch
 //   FdLimit                RLIMIT_NOFILE for a scope, restored afterwards
 //
 // Inside fibers, give assertions their context with CHECK_MESSAGE / REQUIRE_MESSAGE, never with
@@ -105,6 +109,22 @@ inline int open_fd_count() {
   }
   ::closedir(d);
   return n;
+}
+
+// The descriptors held for good: the fewest seen in five looks a millisecond apart.
+inline int held_fd_count() {
+  int n = open_fd_count();
+  for (int i = 0; i < 4; ++i) {
+    fiber::this_fiber::sleep_for(std::chrono::milliseconds(1));
+    n = std::min(n, open_fd_count());
+  }
+  return n;
+}
+
+// Whether the count comes back to `before` (held_fd_count()) within the usual bound. A leaked
+// descriptor never goes, so a leak still fails; a passing moment's does.
+inline bool fd_count_back_to(int before) {
+  return fiber_test::wait_for([before] { return open_fd_count() <= before; });
 }
 
 // The highest open descriptor number.
