@@ -187,6 +187,11 @@ struct SlotCache {
     }
     void* p = bump;
     bump += kBlockSize;
+    // A bulk slab was populated (zeroed) up to 2 MiB ago, so its lines have left the cache: a
+    // spawner carving slot after slot (a million `go`s in a loop) stalls on each first write.
+    // Ask for the slot 8 ahead now (a prefetch never faults, past the slab's end included).
+    // spawn_1t: 171 -> 164 ns per fiber (medians of 11 interleaved runs).
+    for (std::size_t line = 0; line < kBlockSize; line += 64) __builtin_prefetch(bump + 8 * kBlockSize + line, 1);
     return p;
   }
   // `head` is empty: a batch from the global list. False if there is none.
