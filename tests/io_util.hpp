@@ -122,9 +122,10 @@ inline int held_fd_count() {
 }
 
 // Whether the count comes back to `before` (held_fd_count()) within the usual bound. A leaked
-// descriptor never goes, so a leak still fails; a passing moment's does.
+// descriptor never goes and one closed by mistake never comes back, so both still fail; a
+// passing moment's goes.
 inline bool fd_count_back_to(int before) {
-  return fiber_test::wait_for([before] { return open_fd_count() <= before; });
+  return fiber_test::wait_for([before] { return open_fd_count() == before; });
 }
 
 // The highest open descriptor number.

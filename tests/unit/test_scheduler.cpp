@@ -104,10 +104,11 @@ TEST_CASE("Scheduler: N busy fibers on N processors run in parallel") {
       fiber::Scheduler s({.processors = static_cast<std::size_t>(n), .name = "par"});
       std::this_thread::sleep_for(20ms);  // every processor idle and asleep
       std::atomic<int> arrived{0};
-      auto spin = [&arrived, n] {
+      // One deadline for all, generous: waking each processor is a thread wakeup, which a loaded
+      // machine delays. (Run one after another, the spinners give up together at it.)
+      const auto deadline = Clock::now() + scaled(10'000ms);
+      auto spin = [&arrived, n, deadline] {
         arrived.fetch_add(1);
-        // Generous: waking each processor is a thread wakeup, which a loaded machine delays.
-        const auto deadline = Clock::now() + scaled(10'000ms);
         while (arrived.load() < n && Clock::now() < deadline) {
         }
         return std::make_pair(arrived.load() == n, fiber::this_fiber::processor_index());

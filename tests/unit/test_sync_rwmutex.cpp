@@ -152,49 +152,51 @@ TEST_CASE("rwmutex: a writer is not starved by overlapping readers; readers not 
 }
 
 TEST_CASE("rwmutex: timed variants - never before the deadline") {
-  for (Where w : {Where::fiber, Where::thread}) {
-    fiber::Scheduler s({.processors = 2, .name = "rwt"});
-    fiber::RWMutex mu;
-    Team team;
-    mu.lock();  // a writer (this thread) holds it
-    team.spawn(w, s, [&] {
-      auto t0 = Clock::now();
-      CHECK_FALSE(mu.try_lock_shared_for(15ms));
-      CHECK(Clock::now() - t0 >= 15ms);
-      t0 = Clock::now();
-      CHECK_FALSE(mu.try_lock_for(15ms));
-      CHECK(Clock::now() - t0 >= 15ms);
-      CHECK_FALSE(mu.try_lock_until(Clock::now() - 1s));
-      CHECK_FALSE(mu.try_lock_shared_for(-1s));
-    });
-    team.join();
-    mu.unlock();
-    // A writer that timed out must not keep readers out.
-    mu.lock_shared();
-    team.spawn(w, s, [&] { CHECK_FALSE(mu.try_lock_for(5ms)); });
-    team.join();
-    CHECK(mu.try_lock_shared());
-    mu.unlock_shared();
-    mu.unlock_shared();
-    // And readers queued behind it are released when it gives up. It tries again until the
-    // reader is in, so a main thread preempted past one 30 ms window still finds it queued; a
-    // reader not released stays out for good and the watchdog ends the run.
-    mu.lock_shared();
-    std::atomic<bool> reader_in{false};
-    team.spawn(w, s, [&] {
-      while (!reader_in.load()) CHECK_FALSE(mu.try_lock_for(30ms));
-    });
-    wait_writer_queued(mu);
-    team.spawn(Where::fiber, s, [&] {
-      std::shared_lock r(mu);
-      reader_in = true;
-    });
-    team.join();
-    CHECK(reader_in.load());
-    mu.unlock_shared();
-    CHECK(mu.try_lock());
-    mu.unlock();
-  }
+  with_watchdog(60'000ms, "rwmutex timed variants", [] {
+    for (Where w : {Where::fiber, Where::thread}) {
+      fiber::Scheduler s({.processors = 2, .name = "rwt"});
+      fiber::RWMutex mu;
+      Team team;
+      mu.lock();  // a writer (this thread) holds it
+      team.spawn(w, s, [&] {
+        auto t0 = Clock::now();
+        CHECK_FALSE(mu.try_lock_shared_for(15ms));
+        CHECK(Clock::now() - t0 >= 15ms);
+        t0 = Clock::now();
+        CHECK_FALSE(mu.try_lock_for(15ms));
+        CHECK(Clock::now() - t0 >= 15ms);
+        CHECK_FALSE(mu.try_lock_until(Clock::now() - 1s));
+        CHECK_FALSE(mu.try_lock_shared_for(-1s));
+      });
+      team.join();
+      mu.unlock();
+      // A writer that timed out must not keep readers out.
+      mu.lock_shared();
+      team.spawn(w, s, [&] { CHECK_FALSE(mu.try_lock_for(5ms)); });
+      team.join();
+      CHECK(mu.try_lock_shared());
+      mu.unlock_shared();
+      mu.unlock_shared();
+      // And readers queued behind it are released when it gives up. It tries again until the
+      // reader is in, so a main thread preempted past one 30 ms window still finds it queued; a
+      // reader not released stays out for good and the watchdog ends the run.
+      mu.lock_shared();
+      std::atomic<bool> reader_in{false};
+      team.spawn(w, s, [&] {
+        while (!reader_in.load()) CHECK_FALSE(mu.try_lock_for(30ms));
+      });
+      wait_writer_queued(mu);
+      team.spawn(Where::fiber, s, [&] {
+        std::shared_lock r(mu);
+        reader_in = true;
+      });
+      team.join();
+      CHECK(reader_in.load());
+      mu.unlock_shared();
+      CHECK(mu.try_lock());
+      mu.unlock();
+    }
+  });
 }
 
 TEST_CASE("rwmutex: cancelled waiters throw Cancelled and leave the queues") {

@@ -382,9 +382,10 @@ TEST_CASE("watchdog: no report under a busy workload of many short fibers") {
     MESSAGE(fibers.load() << " short fibers ran");
     CHECK(fibers.load() > 0);
     // What this checks: fibers that switch often are never taken for a CPU loop or a blocking
-    // call. One report is still right: a processor waiting in futex for a lock (the injector's,
-    // the idle state's) that a preempted thread holds - on a loaded machine this thread, in the
-    // middle of a spawn - is really blocked. Those are logged, and they may start an extra.
+    // call. One kind of report is still right: a processor waiting in futex for a lock (the
+    // injector's, the idle state's) that a preempted thread holds - on a loaded machine this
+    // thread, in the middle of a spawn - is really blocked. Those are logged, and each may start
+    // an extra processor.
     // (An incident is counted before its report reaches the sink.)
     (void)wait_for([&] { return reports.all().size() >= s.blocked_incidents(); });
     std::size_t lock_waits = 0;
@@ -396,7 +397,9 @@ TEST_CASE("watchdog: no report under a busy workload of many short fibers") {
     }
     CHECK_MESSAGE(reports.all().size() == lock_waits, reports.dump());
     CHECK_MESSAGE(s.blocked_incidents() == lock_waits, reports.dump());
-    if (lock_waits == 0) CHECK(s.watchdog_stats().extra_started == 0);
+    // At most one such wait per processor: more is a lock the runtime holds too long itself.
+    CHECK_MESSAGE(lock_waits <= s.processors(), reports.dump());
+    CHECK(s.watchdog_stats().extra_started <= lock_waits);
   });
 }
 

@@ -33,6 +33,9 @@ int64_t steady_now_ns() noexcept;
 class TimerQueue {
  public:
   static constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  // fire_expired() claims at most this many per call (its buffer is on the caller's stack,
+  // possibly a fiber's); the rest stay due, earliest first, for the next call.
+  static constexpr std::size_t kFireBatch = 16;
 
   // Executed only by the owner processor.
   void add(TimerEntry* e);
