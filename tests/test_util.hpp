@@ -32,8 +32,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <future>
 #include <initializer_list>
-#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -146,32 +146,19 @@ class Watchdog {
       for (;;) std::this_thread::sleep_for(1s);
     }
     constexpr int kDumpLines = 300;
-    constexpr int kMaxFiberBacktraces = 200;
-    struct Dump {
-      std::mutex mu;
-      std::string text;  // GUARDED_BY(mu)
-      bool done = false;  // GUARDED_BY(mu)
-    };
-    auto dump = std::make_shared<Dump>();  // shared with a thread that may outlive this call
-    std::thread([dump] {
+    // The promise keeps the shared state alive for a dump thread that outlives this call.
+    std::promise<std::string> promise;
+    std::future<std::string> text = promise.get_future();
+    std::thread([p = std::move(promise)]() mutable {
       std::ostringstream out;
       fiber::dump(out);
-      std::lock_guard lock(dump->mu);
-      dump->text = out.str();
-      dump->done = true;
+      p.set_value(out.str());
     }).detach();
-    bool done = false;
-    for (int i = 0; i < 50 && !done; ++i) {
-      std::this_thread::sleep_for(100ms);
-      std::lock_guard lock(dump->mu);
-      done = dump->done;
-    }
     int fibers = -1;  // unknown unless the dump finished
-    if (!done) {
+    if (text.wait_for(5s) != std::future_status::ready) {
       std::fprintf(stderr, "(fiber::dump did not finish within 5 s)\n");
     } else {
-      std::lock_guard lock(dump->mu);
-      std::istringstream in(dump->text);
+      std::istringstream in(text.get());
       std::string line;
       int lines = 0;
       fibers = 0;
@@ -184,6 +171,7 @@ class Watchdog {
 #ifdef FIBER_TEST_GDB_SCRIPT
     if (std::system("command -v gdb >/dev/null 2>&1") != 0) return;
     ::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  // Yama: let a child attach to us
+    constexpr int kMaxFiberBacktraces = 200;
     // Threads first: with very many fibers the per-fiber part is what the time limit cuts off.
     std::string cmd = "timeout -k 5 60 gdb -batch -nx -p " + std::to_string(::getpid()) + " -x '" +
                       FIBER_TEST_GDB_SCRIPT + "' -ex 'thread apply all bt'";

@@ -34,7 +34,7 @@ std::size_t TimerQueue::fire_expired(int64_t now) noexcept {
   if (next_deadline() > now) return 0;
   // Claim under the lock, wake outside it: a claimed waiter cannot resume until woken, so its
   // record stays valid; an unclaimed (lost) one is never touched after the lock is released.
-  Waiter* claimed[kFireBatch];  // small: this runs on fiber stacks too (callers loop for more)
+  Waiter* claimed[kFireBatch];  // small: this runs on fiber stacks too (the rest stay due)
   std::size_t n = 0;
   {
     std::lock_guard lock(mu_);
