@@ -148,6 +148,54 @@ TEST_CASE("latch: waits until the count reaches zero; misuse throws") {
   expect_usage_error([&] { l.count_down(); }, "exceeds the count 0");
 }
 
+namespace {
+// For the test below: a thread_local whose destructor waits on a Latch. Constructed before the
+// thread's first wait, so it is destroyed after the thread's parker has gone back to the pool.
+fiber::Latch g_dtor_latch(1), g_other_latch(1);
+std::atomic<bool> g_dtor_waiting{false}, g_dtor_done{false}, g_other_done{false};
+struct WaitsInDestructor {
+  bool armed = false;
+  ~WaitsInDestructor() {
+    if (!armed) return;
+    g_dtor_waiting = true;
+    std::this_thread::sleep_for(100ms);  // let the other thread take the pooled parker and sleep
+    g_dtor_latch.wait();
+    g_dtor_done = true;
+  }
+};
+thread_local WaitsInDestructor t_waits_in_destructor;
+}  // namespace
+
+TEST_CASE("thread waits: a wait in a late thread_local destructor shares no parker with another thread") {
+  // Once a thread's parker is pooled (its thread_local destructor ran), a later wait of the
+  // same thread must not sleep on it: another thread may have taken it from the pool, and one
+  // futex word for two sleepers lets a wake meant for one reach the other.
+  std::thread t1([] {
+    t_waits_in_destructor.armed = true;  // constructed first, destroyed last
+    fiber::Latch first(1);
+    std::thread helper([&] {
+      std::this_thread::sleep_for(10ms);
+      first.count_down();
+    });
+    first.wait();  // the thread's first wait: takes its parker
+    helper.join();
+  });
+  REQUIRE(wait_for([] { return g_dtor_waiting.load(); }));
+  std::thread t2([] {
+    g_other_latch.wait();  // its first wait: takes the parker t1 pooled
+    g_other_done = true;
+  });
+  std::this_thread::sleep_for(300ms);  // t2 sleeps first, then t1 (any order must work)
+  g_dtor_latch.count_down();
+  CHECK(wait_for([] { return g_dtor_done.load(); }));
+  CHECK_FALSE(g_other_done.load());
+  g_other_latch.count_down();
+  CHECK(wait_for([] { return g_other_done.load(); }));
+  if (!g_dtor_done) g_dtor_latch.count_down();  // already zero; t1 stays stuck: report, don't hang
+  t2.join();
+  if (g_dtor_done) t1.join(); else t1.detach();
+}
+
 // ------------------------------------------------------------------------------ Barrier
 
 TEST_CASE("barrier: phases with fibers and threads; one completer per phase") {

@@ -51,30 +51,47 @@ namespace {
 std::mutex g_parker_mu;
 ThreadParker* g_free_parkers = nullptr;  // GUARDED_BY(g_parker_mu)
 
-struct ParkerSlot {
-  ThreadParker* p = nullptr;
-  ~ParkerSlot() {
-    if (!p) return;
+// This thread's parker. A plain pointer, so it stays readable through every thread_local
+// destructor of the thread, including those that run after ParkerReturn's.
+thread_local ThreadParker* t_parker = nullptr;
+// Set once ParkerReturn has pooled the thread's parker: from then on another thread may be
+// sleeping on it, so a later wait (a thread_local destructor that waits, constructed before
+// the first wait and so destroyed after) takes a parker of its own that is never pooled.
+thread_local bool t_parker_pooled = false;
+
+struct ParkerReturn {
+  bool armed = false;
+  ~ParkerReturn() {
+    ThreadParker* p = t_parker;
+    if (!armed || !p) return;
+    t_parker = nullptr;
+    t_parker_pooled = true;
     std::lock_guard lock(g_parker_mu);
     p->next_free = g_free_parkers;
     g_free_parkers = p;
   }
 };
-thread_local ParkerSlot t_parker;
+thread_local ParkerReturn t_parker_return;
 
 __attribute__((noinline)) ThreadParker* this_thread_parker() {
-  ParkerSlot& slot = t_parker;
-  if (!slot.p) {
-    std::lock_guard lock(g_parker_mu);
-    if (g_free_parkers) {
-      slot.p = g_free_parkers;
-      g_free_parkers = slot.p->next_free;
-    } else {
-      slot.p = new ThreadParker();  // never freed: wakers may still hold it
+  if (ThreadParker* p = t_parker) return p;
+  ThreadParker* p = nullptr;
+  if (t_parker_pooled) {
+    p = new ThreadParker();  // the thread is exiting; leaked with it (wakers may still hold it)
+  } else {
+    {
+      std::lock_guard lock(g_parker_mu);
+      if (g_free_parkers) {
+        p = g_free_parkers;
+        g_free_parkers = p->next_free;
+      }
     }
-    slot.p->token.store(0, std::memory_order_relaxed);
+    if (!p) p = new ThreadParker();  // never freed: wakers may still hold it
+    t_parker_return.armed = true;    // constructs it now: its destructor returns `p`
   }
-  return slot.p;
+  p->token.store(0, std::memory_order_relaxed);
+  t_parker = p;
+  return p;
 }
 
 constexpr uint8_t kPending = static_cast<uint8_t>(WakeReason::Pending);
