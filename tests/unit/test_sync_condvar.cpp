@@ -215,3 +215,44 @@ TEST_CASE("condvar: a cancelled waiter re-takes the lock, then throws Cancelled"
     cv.notify_one();              // the queue is empty again
   });
 }
+
+TEST_CASE("condvar: a notified waiter whose re-lock is cancelled passes the notify on") {
+  // c1 is notified, then cancelled while the notifier still holds the mutex: its re-lock
+  // throws Cancelled, and the notify_one it consumed must reach c2, which waits for the same
+  // item. One processor, so c1 runs its re-lock while the notifier sleeps holding the lock.
+  fiber::Scheduler s({.processors = 1});
+  fiber::Mutex mu;
+  fiber::CondVar cv;
+  int items = 0;  // guarded by mu
+  std::atomic<int> waiting{0}, consumed{0}, cancelled{0};
+  auto consumer = [&] {
+    try {
+      std::unique_lock lk(mu);
+      ++waiting;
+      cv.wait(lk, [&] { return items > 0; });
+      --items;
+      ++consumed;
+    } catch (const fiber::Cancelled&) {
+      ++cancelled;
+      throw;
+    }
+  };
+  auto c1 = spawn_cancellable(s, consumer);
+  REQUIRE(wait_for([&] { return waiting.load() == 1; }));
+  auto c2 = spawn_cancellable(s, consumer);
+  REQUIRE(wait_for([&] { return waiting.load() == 2; }));
+  fiber::block_on({.scheduler = &s}, [&] {
+    std::unique_lock lk(mu);
+    items = 1;
+    cv.notify_one();  // claims c1, the longest waiter
+    c1.cancel();
+    fiber::this_fiber::sleep_for(20ms);  // c1 now finds the mutex held and takes the cancel
+  });
+  const bool c2_consumed = wait_for([&] { return consumed.load() == 1; });
+  CHECK(c2_consumed);
+  if (!c2_consumed) c2.cancel();  // the notify was lost: end c2 rather than hang
+  CHECK(c1.join());               // threw Cancelled
+  CHECK_FALSE(c2.join());
+  CHECK(cancelled.load() == 1);
+  CHECK(items == 0);
+}

@@ -19,7 +19,8 @@
 // Timeouts: a negative duration or a past deadline returns timeout (or the predicate's value)
 // at once, without releasing the lock. Cancellation: a cancelled waiting fiber leaves the queue,
 // re-takes the lock (if that lock's lock() itself throws Cancelled, the lock is not held, which
-// std::unique_lock records) and throws fiber::Cancelled.
+// std::unique_lock records) and throws fiber::Cancelled. A notify_one that reached a waiter
+// whose re-lock then throws is passed on to the next waiter, never lost.
 #pragma once
 
 #include <chrono>
@@ -99,7 +100,14 @@ class FIBER_API CondVar {
       throw;
     }
     const detail::WakeReason r = park(w, d);  // withdrawn unless notified
-    lk.lock();
+    try {
+      lk.lock();
+    } catch (...) {
+      // Cancelled while re-taking the lock after a notify: that notify_one was meant for a
+      // waiter that will now not look at the condition, so hand it to the next one.
+      if (r == detail::WakeReason::Notified) notify_one();
+      throw;
+    }
     if (r == detail::WakeReason::Cancelled) throw Cancelled();
     return r == detail::WakeReason::Timeout ? std::cv_status::timeout : std::cv_status::no_timeout;
   }
