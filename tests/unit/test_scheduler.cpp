@@ -136,6 +136,32 @@ TEST_CASE("Scheduler: N busy fibers on N processors run in parallel") {
   }
 }
 
+TEST_CASE("Scheduler: a fiber that yielded with nothing else to run does not keep others asleep") {
+  // F yields while the other processors sleep: the yield searches for work, finds none, and F
+  // carries on. Then F holds its thread until a fiber spawned from a plain thread runs. That
+  // spawn must wake a sleeping processor: F's processor no longer searches. (A processor that
+  // kept its searcher share while F ran made every waker skip the wake.)
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        std::this_thread::sleep_for(50ms);  // let the other processors go to sleep
+        std::atomic<bool> holding{false}, ran{false};
+        auto f = fiber::spawn({.scheduler = &s}, [&] {
+          fiber::this_fiber::yield();
+          holding = true;
+          // Blocks this processor's thread, as unhooked blocking code would. Bounded so that a
+          // stranded spawn fails the test instead of hanging it.
+          const auto give_up = Clock::now() + scaled(10'000ms);
+          while (!ran.load() && Clock::now() < give_up) std::this_thread::sleep_for(200us);
+          return ran.load();
+        });
+        REQUIRE(wait_for([&] { return holding.load(); }));
+        auto g = fiber::spawn({.scheduler = &s}, [&] { ran = true; });
+        CHECK(f.join());
+        g.join();
+      },
+      {2, 4, 8});
+}
+
 TEST_CASE("Scheduler: zero or too many processors is a UsageError") {
   CHECK_THROWS_AS(fiber::Scheduler({.processors = 0, .name = "zero"}), fiber::UsageError);
   CHECK_THROWS_AS(fiber::Scheduler({.processors = 1025, .name = "many"}), fiber::UsageError);

@@ -346,7 +346,10 @@ void Processor::yield_current(Processor* p) {
   Fiber* next = p->next_to_run_after(self);
   if (next == nullptr) {
     // Nothing else to run: carry on. Nothing waits behind us either, so for the watchdog this
-    // counts as a switch (a fiber yielding alone is not blocking anyone).
+    // counts as a switch (a fiber yielding alone is not blocking anyone). The search for work
+    // found nothing; we are not looking any more, so give up the searcher share, or wakers
+    // would count on us and wake nobody while this fiber runs (or blocks the thread).
+    p->stop_searching();
     p->count_switch();
     return;
   }
@@ -547,6 +550,14 @@ Fiber* Processor::refill_from_injector() noexcept {
   if (n == 0) return nullptr;
   if (n > 1) queue_.push_back_batch(batch + 1, static_cast<uint32_t>(n - 1));
   return batch[0];
+}
+
+void Processor::stop_searching() noexcept {
+  if (!searching_) return;
+  searching_ = false;
+  // As when parking: the last searcher re-checks every queue, since wakers skipped the
+  // notify while it searched.
+  if (sched_.idle().transition_from_searching()) sched_.notify_if_work_pending();
 }
 
 void Processor::found_work_while_searching() noexcept {

@@ -206,6 +206,7 @@ class Processor {
   Fiber* steal_work() noexcept;
   Fiber* refill_from_injector() noexcept;
   void found_work_while_searching() noexcept;
+  void stop_searching() noexcept;  // found nothing and carries on running: leave the search
   bool maintenance() noexcept;  // timers, inbox; true if it made a fiber runnable
   bool drain_inbox() noexcept;
   bool has_local_work() const noexcept;
