@@ -145,6 +145,13 @@ TEST_CASE("latch: waits until the count reaches zero; misuse throws") {
   l.count_down(2);
   CHECK(l.wait_for(-1s));
   CHECK(l.wait_until(Clock::now() + 1h));
+  {
+    fiber::Latch closed_latch(1);  // other clocks' extremes: min() is long past, max() is never
+    CHECK_FALSE(closed_latch.wait_until(std::chrono::system_clock::time_point::min()));
+    CHECK_FALSE(closed_latch.wait_until(std::chrono::system_clock::now() - 1h));
+    closed_latch.count_down();
+    CHECK(closed_latch.wait_until(std::chrono::system_clock::time_point::max()));
+  }
   expect_usage_error([&] { l.count_down(); }, "exceeds the count 0");
 }
 

@@ -115,7 +115,11 @@ Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcep
     if (tp == std::chrono::time_point<Clock, Duration>::max()) return kNoDeadline;
     return std::chrono::ceil<std::chrono::steady_clock::duration>(tp);
   } else {
-    return deadline_after(tp - Clock::now());
+    // Compared before subtracting: tp - now overflows for a tp far in the past (min()).
+    const auto now = Clock::now();
+    if (tp <= now) return std::chrono::steady_clock::now();
+    if (tp == std::chrono::time_point<Clock, Duration>::max()) return kNoDeadline;
+    return deadline_after(tp - now);
   }
 }
 
