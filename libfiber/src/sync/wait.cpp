@@ -9,6 +9,7 @@
 // ThreadParker, a futex word that outlives the record (parkers are pooled, never freed), so a
 // waker may touch the parker after the thread has already returned.
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -51,45 +52,46 @@ namespace {
 std::mutex g_parker_mu;
 ThreadParker* g_free_parkers = nullptr;  // GUARDED_BY(g_parker_mu)
 
-// This thread's parker. A plain pointer, so it stays readable through every thread_local
-// destructor of the thread, including those that run after ParkerReturn's.
+// This thread's parker. A plain pointer, so it stays readable through every destructor the
+// thread runs at its end.
 thread_local ThreadParker* t_parker = nullptr;
-// Set once ParkerReturn has pooled the thread's parker: from then on another thread may be
-// sleeping on it, so a later wait (a thread_local destructor that waits, constructed before
-// the first wait and so destroyed after) takes a parker of its own that is never pooled.
-thread_local bool t_parker_pooled = false;
 
-struct ParkerReturn {
-  bool armed = false;
-  ~ParkerReturn() {
-    ThreadParker* p = t_parker;
-    if (!armed || !p) return;
-    t_parker = nullptr;
-    t_parker_pooled = true;
-    std::lock_guard lock(g_parker_mu);
-    p->next_free = g_free_parkers;
-    g_free_parkers = p;
-  }
-};
-thread_local ParkerReturn t_parker_return;
+// Gives a thread's parker back to the pool when the thread ends. A pthread key's destructor:
+// glibc runs those after every C++ thread_local destructor, which may still wait on the parker.
+// From here on another thread may sleep on it, so t_parker is cleared first: a wait in a later
+// key destructor takes a parker afresh and registers it again (glibc calls the destructors
+// again while a value is set, up to PTHREAD_DESTRUCTOR_ITERATIONS rounds; one taken after
+// those stays with the dead thread, never shared).
+void return_parker(void* v) noexcept {
+  auto* p = static_cast<ThreadParker*>(v);
+  if (t_parker == p) t_parker = nullptr;
+  std::lock_guard lock(g_parker_mu);
+  p->next_free = g_free_parkers;
+  g_free_parkers = p;
+}
+
+// The key, made once; -1 if the process ran out of keys (parkers are then never pooled).
+long parker_key() noexcept {
+  static const long key = [] {
+    pthread_key_t k;
+    return pthread_key_create(&k, return_parker) == 0 ? static_cast<long>(k) : -1L;
+  }();
+  return key;
+}
 
 __attribute__((noinline)) ThreadParker* this_thread_parker() {
   if (ThreadParker* p = t_parker) return p;
   ThreadParker* p = nullptr;
-  if (t_parker_pooled) {
-    p = new ThreadParker();  // the thread is exiting; leaked with it (wakers may still hold it)
-  } else {
-    {
-      std::lock_guard lock(g_parker_mu);
-      if (g_free_parkers) {
-        p = g_free_parkers;
-        g_free_parkers = p->next_free;
-      }
+  {
+    std::lock_guard lock(g_parker_mu);
+    if (g_free_parkers) {
+      p = g_free_parkers;
+      g_free_parkers = p->next_free;
     }
-    if (!p) p = new ThreadParker();  // never freed: wakers may still hold it
-    t_parker_return.armed = true;    // constructs it now: its destructor returns `p`
   }
+  if (!p) p = new ThreadParker();  // never freed: wakers may still hold it
   p->token.store(0, std::memory_order_relaxed);
+  if (const long key = parker_key(); key >= 0) pthread_setspecific(static_cast<pthread_key_t>(key), p);
   t_parker = p;
   return p;
 }
