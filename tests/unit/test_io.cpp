@@ -3,7 +3,10 @@
 // stream; 64 MiB each way verified byte for byte; a peer that is gone (EPIPE/ECONNRESET, never
 // SIGPIPE); deadlines that pass, that are already past, and that race the data; cancellation;
 // io::close while other fibers wait, and a closed number reused at once; regular files; bad
-// arguments; pipes and non-blocking sockets (inside a fiber a call waits either way).
+// arguments; pipes and non-blocking sockets (inside a fiber a call waits either way); races and
+// limits: two waiters woken for one connection or byte, lengths beyond 32 bits, pread on streams,
+// MSG_WAITALL, descriptors epoll cannot watch, poll after a lost race, io::close and the
+// blocking pool.
 //
 // The engine is chosen per process (FIBER_IO), so CI runs the whole suite twice: as is
 // (io_uring) and with FIBER_IO=epoll. Every test here must pass on both.
@@ -15,11 +18,15 @@
 #include <fiber/fiber.hpp>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,12 +36,18 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "io/blocking_pool.hpp"  // the pool's state, for the test of io::close and queued file calls
+#include "io/fd_table.hpp"
+#include "io/poller.hpp"
 #include "io_util.hpp"
+#include "sched/processor.hpp"
 #include "team.hpp"
 #include "test_util.hpp"
 
@@ -1314,4 +1327,395 @@ TEST_CASE("io: on a plain thread the calls block the thread until the peer acts,
         });
       },
       {1, 4});
+}
+
+// ------------------------------------------------------------------------------ races and limits
+
+namespace {
+
+// Two fibers wait in `call` on one descriptor, and `poke` makes it ready once (one connection,
+// one byte): both may be woken, one gets it. The other must go on waiting in its engine - not in
+// the kernel's blocking call, where it would hold its processor thread past its deadline and
+// deaf to cancels and io::close - so a cancel ends it with ECANCELED. `call` returns > 0 when it
+// got the thing. If the loser does not end, a second poke frees it (and the test fails).
+void expect_one_winner(fiber::Scheduler& s, const std::function<ssize_t()>& call, const std::function<void()>& poke) {
+  std::atomic<int> started{0};
+  std::atomic<int> finished{0};
+  std::vector<fiber::JoinHandle<ssize_t>> waiters;
+  for (int i = 0; i < 2; ++i) {
+    waiters.push_back(fiber::spawn({.scheduler = &s}, [&] {
+      started.fetch_add(1);
+      const ssize_t r = call();
+      finished.fetch_add(1);
+      return r;
+    }));
+  }
+  let_it_park(started, 2);
+  poke();
+  REQUIRE(wait_for([&] { return finished.load() >= 1; }, patience()));
+  for (auto& h : waiters) h.cancel();
+  const bool loser_ended = wait_for([&] { return finished.load() == 2; });
+  CHECK_MESSAGE(loser_ended, "the second waiter is stuck in the system call");
+  if (!loser_ended) poke();
+  int won = 0;
+  int cancelled = 0;
+  for (auto& h : waiters) {
+    const ssize_t r = h.join();
+    if (r > 0) ++won;
+    if (r == -ECANCELED) ++cancelled;
+  }
+  CHECK(won == (loser_ended ? 1 : 2));
+  CHECK(cancelled == (loser_ended ? 1 : 0));
+}
+
+}  // namespace
+
+TEST_CASE("io: one connection for two fibers accepting on a blocking listener: one gets it, the other keeps waiting") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    Fd ln = tcp_listener();  // blocking
+    const sockaddr_in addr = loopback(local_port(ln.get()));
+    std::vector<Fd> clients;
+    expect_one_winner(
+        s,
+        [&]() -> ssize_t {
+          const int c = io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience());
+          if (c < 0) return c;
+          io::close(c);
+          return 1;
+        },
+        [&] {
+          Fd c = tcp_socket();
+          connect_now(c.get(), addr);
+          clients.push_back(std::move(c));
+        });
+  });
+}
+
+TEST_CASE("io: one byte for two fibers reading a blocking tty: one gets it, the other keeps waiting") {
+  // A pty's master end: a descriptor without RWF_NOWAIT, which the epoll engine reads only once
+  // a poll says it is ready.
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    Fd master(::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC));
+    REQUIRE(master.get() >= 0);
+    REQUIRE(::grantpt(master.get()) == 0);
+    REQUIRE(::unlockpt(master.get()) == 0);
+    Fd slave(::open(::ptsname(master.get()), O_RDWR | O_NOCTTY | O_CLOEXEC));
+    REQUIRE(slave.get() >= 0);
+    termios t{};
+    REQUIRE(::tcgetattr(slave.get(), &t) == 0);
+    ::cfmakeraw(&t);
+    REQUIRE(::tcsetattr(slave.get(), TCSANOW, &t) == 0);
+    expect_one_winner(
+        s,
+        [&]() -> ssize_t {
+          char c;
+          return io::read(master.get(), &c, 1, patience());
+        },
+        [&] { REQUIRE(::write(slave.get(), "x", 1) == 1); });
+  });
+}
+
+TEST_CASE("io: lengths of 4 GiB and more are not cut to 32 bits: recv gets the data, send sends some") {
+  // A length the ring would see modulo 2^32: 4 GiB as 0 (a fake end of stream, nothing sent),
+  // 4 GiB + 1 as 1. The buffer is reserved address space only; a few bytes of it are used.
+  const size_t four_gib = size_t{1} << 32;
+  const size_t map_len = four_gib + 4096;
+  void* m = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  REQUIRE(m != MAP_FAILED);
+  auto* big = static_cast<char*>(m);
+  for_each_proc_count(
+      [&](fiber::Scheduler& s, int) {
+        for (Where w : kBoth) {
+          CAPTURE(where_name(w));
+          SocketPair p = tcp_pair({.sndbuf = 4096});
+          Team team;
+          team.spawn(w, s, [&] {
+            for (const size_t n : {four_gib, four_gib + 1}) {
+              REQUIRE(::send(p.b.get(), "data", 4, MSG_NOSIGNAL) == 4);
+              CHECK_MESSAGE(io::recv(p.a.get(), big, n, 0, patience()) == 4, "n " << n);
+              CHECK(std::memcmp(big, "data", 4) == 0);
+              REQUIRE(::send(p.b.get(), "more", 4, MSG_NOSIGNAL) == 4);
+              CHECK_MESSAGE(io::read(p.a.get(), big, n, patience()) == 4, "n " << n);
+            }
+            // A full send buffer sends the 4 GiB through the engine once the peer reads.
+            fill_until_full(p.a.get());
+            std::atomic<bool> sent{false};
+            auto drain = fiber::spawn({.scheduler = &s}, [&] {
+              std::vector<char> sink(64 * 1024);
+              while (!sent.load()) (void)io::read(p.b.get(), sink.data(), sink.size(), 5ms);
+            });
+            const ssize_t r = io::send(p.a.get(), big, four_gib, 0, patience());
+            sent = true;
+            drain.join();
+            CHECK(r > 0);
+          });
+          team.join();
+        }
+      },
+      {1, 4});
+  ::munmap(m, map_len);
+}
+
+TEST_CASE("io: pread and pwrite on a socket or a pipe fail with ESPIPE and leave the stream alone") {
+  auto body = [] {
+    char buf[16];
+    SocketPair p = tcp_pair();
+    int pipe_fds[2];
+    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
+    Fd rd(pipe_fds[0]);
+    Fd wr(pipe_fds[1]);
+    struct Stream {
+      int in, out;
+    };
+    for (const Stream st : {Stream{p.a.get(), p.b.get()}, Stream{rd.get(), wr.get()}}) {
+      REQUIRE(::write(st.out, "hello", 5) == 5);
+      CHECK(io::pread(st.in, buf, sizeof buf, 0, patience()) == -ESPIPE);
+      CHECK(io::pwrite(st.out, "zz", 2, 0, patience()) == -ESPIPE);
+      CHECK(io::read(st.in, buf, sizeof buf, patience()) == 5);  // all there, nothing added
+      CHECK(std::string(buf, 5) == "hello");
+    }
+    // A number that was a file (where pread works) and is a pipe after io::close.
+    char path[] = "/tmp/fiber_test_io_XXXXXX";
+    const int file = ::mkstemp(path);
+    REQUIRE(file >= 0);
+    ::unlink(path);
+    CHECK(io::pwrite(file, "abc", 3, 0) == 3);
+    CHECK(io::pread(file, buf, sizeof buf, 0) == 3);
+    CHECK(io::close(file) == 0);
+    REQUIRE(::write(wr.get(), "pipe", 4) == 4);
+    Fd again(::fcntl(rd.get(), F_DUPFD_CLOEXEC, file));  // `file`'s number unless another thread took it
+    REQUIRE(again.get() >= 0);
+    CHECK(io::pread(again.get(), buf, sizeof buf, 0) == -ESPIPE);
+    CHECK(io::read(again.get(), buf, sizeof buf, patience()) == 4);
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); }, {1, 2});
+  SUBCASE("plain thread") { run_on_thread(body); }
+}
+
+TEST_CASE("io: recv with MSG_WAITALL waits for all n bytes, or returns what came before end of stream or the deadline") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      // Half now, half once the call waits.
+      {
+        SocketPair p = tcp_pair();
+        REQUIRE(::send(p.b.get(), "ab", 2, MSG_NOSIGNAL) == 2);
+        std::atomic<int> started{0};
+        Team team;
+        team.spawn(w, s, [&] {
+          char buf[8] = {};
+          started = 1;
+          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 4);
+          CHECK(std::string(buf, 4) == "abcd");
+        });
+        let_it_park(started);
+        REQUIRE(::send(p.b.get(), "cd", 2, MSG_NOSIGNAL) == 2);
+        team.join();
+      }
+      // End of stream, and a deadline, after part of it: the part.
+      {
+        SocketPair p = tcp_pair();
+        Team team;
+        team.spawn(w, s, [&] {
+          char buf[8] = {};
+          REQUIRE(::send(p.b.get(), "ab", 2, MSG_NOSIGNAL) == 2);
+          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, 20ms) == 2);
+          REQUIRE(::send(p.b.get(), "cd", 2, MSG_NOSIGNAL) == 2);
+          REQUIRE(::shutdown(p.b.get(), SHUT_WR) == 0);
+          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 2);
+          CHECK(std::string(buf, 2) == "cd");
+          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 0);
+        });
+        team.join();
+      }
+      // Datagrams: one at a time, as the kernel does (MSG_WAITALL does not join them).
+      {
+        int sv[2];
+        REQUIRE(::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, sv) == 0);
+        Fd a(sv[0]);
+        Fd b(sv[1]);
+        Team team;
+        team.spawn(w, s, [&] {
+          char buf[8] = {};
+          REQUIRE(::send(b.get(), "ab", 2, 0) == 2);
+          REQUIRE(::send(b.get(), "cd", 2, 0) == 2);
+          CHECK(io::recv(a.get(), buf, 4, MSG_WAITALL, patience()) == 2);
+          CHECK(io::recv(a.get(), buf, 4, MSG_WAITALL, patience()) == 2);
+          CHECK(std::string(buf, 2) == "cd");
+        });
+        team.join();
+      }
+    }
+  });
+}
+
+TEST_CASE("io: on descriptors epoll cannot watch (a directory, /dev/null, /dev/zero) the calls give the system call's answer") {
+  auto body = [] {
+    Fd dir(::open("/tmp", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    REQUIRE(dir.get() >= 0);
+    char buf[16];
+    iovec iov{buf, sizeof buf};
+    for (const io::Deadline dl : {io::Deadline(), io::Deadline(patience())}) {
+      CHECK(io::read(dir.get(), buf, sizeof buf, dl) == -EISDIR);
+      CHECK(io::readv(dir.get(), &iov, 1, dl) == -EISDIR);
+      CHECK(io::recv(dir.get(), buf, sizeof buf, 0, dl) == -ENOTSOCK);
+      CHECK((io::poll(dir.get(), POLLIN, dl) & POLLIN) != 0);
+    }
+    Fd null_dev(::open("/dev/null", O_RDWR | O_CLOEXEC));
+    Fd zero_dev(::open("/dev/zero", O_RDONLY | O_CLOEXEC));
+    REQUIRE(null_dev.get() >= 0);
+    REQUIRE(zero_dev.get() >= 0);
+    CHECK(io::read(null_dev.get(), buf, sizeof buf, patience()) == 0);
+    CHECK(io::write(null_dev.get(), "abc", 3, patience()) == 3);
+    CHECK(io::read(zero_dev.get(), buf, sizeof buf, patience()) == static_cast<ssize_t>(sizeof buf));
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); }, {1, 2});
+  SUBCASE("plain thread") { run_on_thread(body); }
+}
+
+TEST_CASE("io: poll reports only what is ready: ordinary data does not end a wait for POLLRDHUP") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    SocketPair p = tcp_pair();
+    std::atomic<int> started{0};
+    auto poller = fiber::spawn({.scheduler = &s}, [&] {
+      started = 1;
+      const int r = io::poll(p.a.get(), POLLRDHUP, patience());
+      // Said the peer has shut down its side: it must have.
+      pollfd now{p.a.get(), POLLRDHUP, 0};
+      const int seen = ::poll(&now, 1, 0);
+      CHECK_MESSAGE(r > 0, "poll " << r);
+      CHECK_MESSAGE((r & POLLRDHUP) != 0, "revents " << r);
+      CHECK_MESSAGE((seen == 1 && (now.revents & POLLRDHUP) != 0), "POLLRDHUP reported before the peer shut down");
+    });
+    let_it_park(started);
+    REQUIRE(::send(p.b.get(), "x", 1, MSG_NOSIGNAL) == 1);  // readable, no hangup
+    fiber::this_fiber::sleep_for(20ms);                     // time to (wrongly) end the wait
+    REQUIRE(::shutdown(p.b.get(), SHUT_WR) == 0);
+    poller.join();
+  });
+}
+
+TEST_CASE("io: poll woken with the data already taken by another fiber waits again") {
+  // One processor, a poller and a reader waiting on one socket, and one byte: the reader may take
+  // it before the poller looks. The poller then waits for the next byte, and whatever it
+  // reports is there when it returns (on the epoll engine, which reports what it sees after the
+  // wake; the ring's poll reports the moment it completed, before the reader ran).
+  for (const bool poller_first : {true, false}) {
+    CAPTURE(poller_first);
+    fiber::Scheduler s({.processors = 1, .name = "pollw"});
+    int sv[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    Fd a(sv[0]);
+    Fd b(sv[1]);
+    std::atomic<int> started{0};
+    auto spawn_poller = [&] {
+      return fiber::spawn({.scheduler = &s}, [&] {
+        started.fetch_add(1);
+        const int r = io::poll(a.get(), POLLIN, patience());
+        char c;
+        const ssize_t there = ::recv(a.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        CHECK_MESSAGE((r & POLLIN) != 0, "revents " << r);
+        if (fiber::detail::current_processor()->poller().kind() == fiber::detail::PollerKind::Epoll) {
+          CHECK_MESSAGE(there == 1, "POLLIN reported with nothing to read");
+        }
+      });
+    };
+    auto spawn_reader = [&] {
+      return fiber::spawn({.scheduler = &s}, [&] {
+        char buf[16];
+        started.fetch_add(1);
+        return io::read(a.get(), buf, sizeof buf, patience());
+      });
+    };
+    fiber::JoinHandle<void> poller;
+    fiber::JoinHandle<ssize_t> reader;
+    if (poller_first) {
+      poller = spawn_poller();
+      let_it_park(started, 1);
+      reader = spawn_reader();
+    } else {
+      reader = spawn_reader();
+      let_it_park(started, 1);
+      poller = spawn_poller();
+    }
+    let_it_park(started, 2);
+    REQUIRE(::send(b.get(), "1", 1, MSG_NOSIGNAL) == 1);
+    CHECK(reader.join() == 1);
+    fiber::this_fiber::sleep_for(20ms);  // time for a poller that lost the byte to (wrongly) return
+    REQUIRE(::send(b.get(), "2", 1, MSG_NOSIGNAL) == 1);  // for a poller still waiting
+    poller.join();
+  }
+}
+
+TEST_CASE("io: io::close waits for a file write queued on the blocking pool, which never reaches the number's next file") {
+  // The epoll engine writes regular files on the blocking-offload pool. With every helper busy
+  // the write queues; io::close must wait for it, and the write must give EBADF rather than land
+  // in the file that gets the number after the close. (io_uring writes on the ring: the write is
+  // done before the close and stays in its own file.)
+  char path1[] = "/tmp/fiber_test_io_XXXXXX";
+  char path2[] = "/tmp/fiber_test_io_XXXXXX";
+  const int file = ::mkstemp(path1);
+  Fd spare(::mkstemp(path2));
+  REQUIRE(file >= 0);
+  REQUIRE(spare.get() >= 0);
+  ::unlink(path2);
+  std::atomic<bool> release{false};
+  std::atomic<size_t> busy{0};
+  std::atomic<bool> written{false};
+  std::atomic<bool> closed{false};
+  int reused = -1;
+  // Declared after what its fibers use, so a failed REQUIRE still stops it first.
+  fiber::Scheduler s({.processors = 2, .name = "poolw"});
+  struct Release {  // lets the helpers go however the test ends, before the scheduler stops
+    std::atomic<bool>& flag;
+    void now() {
+      flag = true;
+      flag.notify_all();
+    }
+    ~Release() { now(); }
+  } releaser{release};
+  fiber::spawn({.scheduler = &s}, [] { fiber::blocking([] {}); }).join();  // the pool exists
+  const size_t helpers = fiber::detail::blocking_pool_stats().max_threads;
+  REQUIRE(helpers > 0);
+  std::vector<fiber::JoinHandle<void>> blockers;
+  for (size_t i = 0; i < helpers; ++i) {
+    blockers.push_back(fiber::spawn({.scheduler = &s}, [&] {
+      fiber::blocking([&] {
+        busy.fetch_add(1);
+        while (!release.load()) release.wait(false);
+      });
+    }));
+  }
+  REQUIRE(wait_for([&] { return busy.load() == helpers; }));
+
+  auto writer = fiber::spawn({.scheduler = &s}, [&] {
+    const ssize_t r = io::write(file, "AAAA", 4);
+    written = true;
+    return r;
+  });
+  REQUIRE(wait_for([&] { return written.load() || fiber::detail::blocking_pool_stats().queued > 0; }));
+  auto closer = fiber::spawn({.scheduler = &s}, [&] {
+    CHECK(io::close(file) == 0);
+    reused = ::fcntl(spare.get(), F_DUPFD_CLOEXEC, file);  // `file`'s number unless another thread took it
+    closed = true;
+  });
+  // The close either finished (the write was done, or the close did not wait) or waits for it.
+  fiber::detail::FdSlot* slot = fiber::detail::fd_table().slot(file);
+  REQUIRE(slot != nullptr);
+  REQUIRE(wait_for([&] {
+    std::lock_guard lock(slot->lock);
+    return closed.load() || slot->closing;
+  }));
+  releaser.now();
+  for (auto& h : blockers) h.join();
+  closer.join();
+  const ssize_t w = writer.join();
+  CHECK((w == 4 || w == -EBADF));
+  struct stat st1 {}, st2 {};
+  REQUIRE(::stat(path1, &st1) == 0);
+  REQUIRE(::fstat(spare.get(), &st2) == 0);
+  CHECK(st1.st_size == (w == 4 ? 4 : 0));
+  CHECK_MESSAGE(st2.st_size == 0, "the write landed in the descriptor that took the number");
+  if (reused >= 0) ::close(reused);
+  ::unlink(path1);
 }

@@ -32,6 +32,15 @@ struct FdSlot {
   // descriptor closed without io::close (which clears it), which costs one wasted attempt or one
   // poll round, never data. Relaxed.
   std::atomic<bool> recv_backlog{false};
+  // A caller is between the readiness check and the call of a call that would block its thread
+  // if the descriptor were not ready (a blocking listener's accept, a tty's read: io.cpp,
+  // call_when_ready). Held for those two system calls, never across a park.
+  std::atomic<bool> ready_call{false};
+  // lseek(2) worked on this descriptor, so positional calls may go to the ring, which would
+  // take a socket's or a pipe's data instead of failing with ESPIPE (io.cpp, check_seekable).
+  // Cleared by io::close; a descriptor closed otherwise passes it on to the next one with its
+  // number (a pread there, an error anyway, would then read the stream). Relaxed.
+  std::atomic<bool> seekable{false};
 };
 
 class FdTable {

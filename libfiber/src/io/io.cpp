@@ -139,6 +139,13 @@ int precheck(const Fiber* f, const io::Deadline& dl) noexcept {
   return 0;
 }
 
+// The kernel moves at most MAX_RW_COUNT (INT_MAX & PAGE_MASK) bytes per call and returns a short
+// count beyond it, but an SQE's length has 32 bits: liburing's prep helpers would truncate a
+// longer request (4 GiB exactly becomes 0, which a receive reports as end of stream and a send
+// as nothing sent). So every request is clamped first, on every path, for the same counts.
+constexpr size_t kMaxRwCount = 0x7ffff000;  // 4 KiB pages; with larger ones the kernel clamps further
+size_t clamp_len(size_t n) noexcept { return n < kMaxRwCount ? n : kMaxRwCount; }
+
 // ------------------------------------------------------------------------------ io_uring path
 
 // Receives from a known socket (`recv`: net::Stream's, see recv_socket): the kernel first
@@ -178,6 +185,19 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
     if (left != backlog) slot->recv_backlog.store(left, std::memory_order_relaxed);  // the line stays clean
   }
   return op.res;
+}
+
+// pread(2)/pwrite(2) fail with ESPIPE on a descriptor without a position (a socket, a pipe, a
+// tty), but the ring's READ/WRITE ignore the offset there and take or add stream data. So the
+// first positional call on a descriptor asks lseek(2), and its FdSlot remembers a yes until
+// io::close: a regular file's calls after the first cost no extra system call. 0 or -errno.
+int check_seekable(int fd) noexcept {
+  FdSlot* slot = fd_table().slot(fd);
+  if (slot != nullptr && slot->seekable.load(std::memory_order_relaxed)) return 0;
+  const off_t r = raw::lseek(fd, 0, SEEK_CUR);
+  if (r < 0) return static_cast<int>(r);  // -ESPIPE, -EBADF
+  if (slot != nullptr) slot->seekable.store(true, std::memory_order_relaxed);
+  return 0;
 }
 
 // ------------------------------------------------------------------------------ readiness path
@@ -242,16 +262,53 @@ ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& 
       if (r != -EAGAIN && r != -EWOULDBLOCK) return r;
     }
     ready_first = false;
-    if (const int rc = wait_ready(f, fd, events, dl); rc < 0) return rc;
+    if (const int rc = wait_ready(f, fd, events, dl); rc < 0) {
+      // epoll cannot watch this descriptor (a directory, some character devices); poll(2) calls
+      // such a file always ready, so the call does not wait: make it, and it gives its own answer.
+      if (rc == -EPERM) return attempt();
+      return rc;
+    }
   }
 }
 
-// A regular-file call on the epoll engine, which cannot wait for files: on the blocking-offload
-// pool while the fiber parks.
+// Makes `call` - one that blocks the thread when `fd` is not ready for `events` and has no
+// non-blocking form (accept4 on a blocking listener, a read of a tty; setting O_NONBLOCK for it
+// would show in everyone's F_GETFL) - only when a zero-timeout poll says `fd` is ready; -EAGAIN
+// otherwise, for ready_loop to wait again. Readiness alone is not enough: one connection wakes
+// every fiber waiting on the listener, and all but the first would block their processor threads
+// in accept4 - past their deadlines, deaf to cancels and io::close - until the next one. So the
+// check and the call are one step among this process's fibers and threads (FdSlot::ready_call);
+// one that finds it taken waits for readiness again, which the holder's call soon ends or uses.
+// A plain thread's own blocking call, or another process, can still take the connection in
+// between: nothing short of changing the descriptor closes that gap.
 template <typename Call>
-ssize_t offload(Call&& call) noexcept {
+ssize_t call_when_ready(int fd, short events, Call&& call) noexcept {
+  FdSlot* slot = fd_table().slot(fd);
+  if (slot != nullptr && slot->ready_call.exchange(true, std::memory_order_acquire)) return -EAGAIN;
+  pollfd p{fd, events, 0};
+  const int rc = raw::poll_now(&p, 1);
+  const ssize_t r = rc > 0 ? call() : (rc == 0 ? -EAGAIN : rc);  // ERR/HUP/NVAL: the call says what
+  if (slot != nullptr) slot->ready_call.store(false, std::memory_order_release);
+  return r;
+}
+
+// A call the epoll engine cannot wait for (a regular file, a tty's write): on the
+// blocking-offload pool while the fiber parks. The op stays listed on its descriptor while the
+// job is queued or running, so io::close waits for it; a job that has not started when the close
+// begins skips its call and gives -EBADF (a queued write must not land in the file that gets the
+// number next).
+template <typename Call>
+ssize_t offload(int fd, Call&& call) noexcept {
+  IoOp op;
+  op.pooled = true;
+  FdGuard guard(fd, &op);
+  if (!guard.ok()) return -EBADF;
   try {
-    return fiber::blocking([&]() noexcept { return call(); });
+    return fiber::blocking([&]() noexcept -> ssize_t {
+      // Set under the slot's lock; a job that misses it still runs before the real close.
+      if (op.closed.load(std::memory_order_relaxed)) return -EBADF;
+      return call();
+    });
   } catch (const fiber::Cancelled&) {
     return -ECANCELED;
   } catch (...) {
@@ -284,17 +341,19 @@ ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadli
   switch (classify(fd)) {
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
-    case FdKind::File: return f ? offload(plain) : plain();
+    case FdKind::File: return f ? offload(fd, plain) : plain();
     case FdKind::Other: {
       if (is_nonblocking(fd)) return ready_loop(f, fd, events, dl, false, plain);
       // Blocking: readiness does not make the plain call safe (a pipe write waits for room for
       // all of it, stalling the processor or outliving the deadline). Try without blocking.
       const ssize_t r = nowait();
       if (r == -EOPNOTSUPP) {
-        // No RWF_NOWAIT here (a tty, a character device): a fiber's write goes to the pool; a
-        // read after readiness is the best we can do.
-        if (f != nullptr && events == EPOLLOUT) return offload(plain);
-        return ready_loop(f, fd, events, dl, true, plain);
+        // No RWF_NOWAIT here (a tty, a character device): a fiber's write goes to the pool (a
+        // tty may take part of a write and block for the rest); a read, or a plain thread's
+        // write, is made once the descriptor is ready (call_when_ready).
+        if (f != nullptr && events == EPOLLOUT) return offload(fd, plain);
+        const short pev = events == EPOLLOUT ? POLLOUT : POLLIN;
+        return ready_loop(f, fd, events, dl, false, [&] { return call_when_ready(fd, pev, plain); });
       }
       if (r != -EAGAIN) return r;
       return ready_loop(f, fd, events, dl, true, nowait);
@@ -326,9 +385,38 @@ ssize_t send_now(int fd, const void* buf, size_t n, int flags) noexcept {
   return raw::send(fd, buf, n, flags | MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
+bool is_stream_socket(int fd) noexcept {
+  int type = 0;
+  socklen_t len = sizeof type;
+  return ::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_STREAM;
+}
+
+// The readiness path of a receive. MSG_DONTWAIT makes each attempt return what is there, so
+// MSG_WAITALL on a stream socket is done here as the kernel does it: wait for the rest until all
+// n bytes, end of stream, an error, the deadline or a cancel; what came in before those stands.
+// (Datagram sockets ignore MSG_WAITALL; with MSG_PEEK the first attempt's count is returned.)
+ssize_t recv_ready(const Fiber* f, int fd, void* buf, size_t n, int flags, const io::Deadline& dl) noexcept {
+  auto* p = static_cast<char*>(buf);
+  size_t got = 0;
+  const auto attempt = [&] { return raw::recv(fd, p + got, n - got, flags | MSG_DONTWAIT); };
+  const ssize_t first = ready_loop(f, fd, EPOLLIN, dl, false, attempt);
+  if (!(flags & MSG_WAITALL) || (flags & MSG_PEEK) || first <= 0 || static_cast<size_t>(first) == n ||
+      !is_stream_socket(fd)) {
+    return first;
+  }
+  got = static_cast<size_t>(first);
+  while (got < n) {
+    const ssize_t r = ready_loop(f, fd, EPOLLIN, dl, false, attempt);
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return static_cast<ssize_t>(got);
+}
+
 // io::recv; `socket`: the caller knows fd is a socket (recv_socket).
 ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, bool socket) noexcept {
   if (bad_len(n)) return -EINVAL;
+  n = clamp_len(n);
   if (flags & MSG_DONTWAIT) return raw::recv(fd, buf, n, flags);
   const Fiber* f = current_fiber();
   if (const int rc = precheck(f, dl)) return rc;
@@ -336,7 +424,7 @@ ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, 
     case Path::Uring:
       return ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recv(s, fd, buf, n, flags); }, socket);
     case Path::Ready:
-      return ready_loop(f, fd, EPOLLIN, dl, false, [&] { return raw::recv(fd, buf, n, flags | MSG_DONTWAIT); });
+      return recv_ready(f, fd, buf, n, flags, dl);
     case Path::Thread: break;
   }
   return raw::recv(fd, buf, n, flags);
@@ -356,13 +444,13 @@ namespace raw = detail::raw;
 // read/write are readv/writev of one buffer: the same paths, one place to keep them right.
 ssize_t read(int fd, void* buf, size_t n, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
-  const iovec v{buf, n};
+  const iovec v{buf, detail::clamp_len(n)};
   return readv(fd, &v, 1, dl);
 }
 
 ssize_t write(int fd, const void* buf, size_t n, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
-  const iovec v{const_cast<void*>(buf), n};
+  const iovec v{const_cast<void*>(buf), detail::clamp_len(n)};
   return writev(fd, &v, 1, dl);
 }
 
@@ -411,23 +499,27 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
 
 ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
   if (detail::bad_len(n) || off < 0) return -EINVAL;
+  n = detail::clamp_len(n);
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
+    if (const int rc = detail::check_seekable(fd)) return rc;
+    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
-  if (f != nullptr) return detail::offload([&] { return raw::pread(fd, buf, n, off); });
+  if (f != nullptr) return detail::offload(fd, [&] { return raw::pread(fd, buf, n, off); });
   return raw::pread(fd, buf, n, off);
 }
 
 ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexcept {
   if (detail::bad_len(n) || off < 0) return -EINVAL;
+  n = detail::clamp_len(n);
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(std::min<size_t>(n, UINT_MAX)), static_cast<uint64_t>(off)); });
+    if (const int rc = detail::check_seekable(fd)) return rc;
+    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
-  if (f != nullptr) return detail::offload([&] { return raw::pwrite(fd, buf, n, off); });
+  if (f != nullptr) return detail::offload(fd, [&] { return raw::pwrite(fd, buf, n, off); });
   return raw::pwrite(fd, buf, n, off);
 }
 
@@ -437,6 +529,7 @@ ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline dl) noexcept {
 
 ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline dl) noexcept {
   if (detail::bad_len(n)) return -EINVAL;
+  n = detail::clamp_len(n);
   flags |= MSG_NOSIGNAL;
   if (flags & MSG_DONTWAIT) return raw::send(fd, buf, n, flags);
   const Fiber* f = detail::current_fiber();
@@ -501,11 +594,12 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
     return static_cast<int>(
         detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
   }
-  // A blocking listener would block in accept4 even after readiness if another thread took the
-  // connection first; wait for readiness before each try then, and hope for the best.
-  const bool blocking = !detail::is_nonblocking(fd);
-  return static_cast<int>(
-      detail::ready_loop(f, fd, EPOLLIN, dl, blocking, [&] { return raw::accept4(fd, addr, addrlen, flags); }));
+  const auto attempt = [&] { return raw::accept4(fd, addr, addrlen, flags); };
+  if (detail::is_nonblocking(fd)) return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, false, attempt));
+  // A blocking listener blocks in accept4 whenever its queue is empty, as it is for every fiber
+  // but one after a connection wakes them all: accept only what a poll has just seen.
+  return static_cast<int>(detail::ready_loop(f, fd, EPOLLIN, dl, false,
+                                             [&] { return detail::call_when_ready(fd, POLLIN, attempt); }));
 }
 
 int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexcept {
@@ -564,12 +658,18 @@ int poll(int fd, short events, Deadline dl) noexcept {
       if (rc < 0 && rc != -EINTR) return rc;
     }
   }
-  uint32_t want = 0;
-  if (events & (POLLOUT | POLLWRBAND)) want |= static_cast<uint32_t>(EPOLLOUT);
-  if (events & ~(POLLOUT | POLLWRBAND)) want |= static_cast<uint32_t>(EPOLLIN);
-  if (const int rc = detail::wait_ready(f, fd, want, dl); rc < 0) return rc;
-  const int rc = raw::poll_now(&p, 1);  // what exactly is ready
-  return rc < 0 ? rc : (rc == 0 ? events : p.revents);
+  // poll's event bits are epoll's: wait for exactly those asked for (POLLPRI is EPOLLPRI, not
+  // any data), so a wake means one of them - or ERR/HUP, which both report unasked.
+  constexpr uint32_t kAskable = EPOLLIN | EPOLLPRI | EPOLLOUT | EPOLLRDNORM | EPOLLRDBAND | EPOLLWRNORM |
+                                EPOLLWRBAND | EPOLLMSG | EPOLLRDHUP;
+  const uint32_t want = static_cast<uint32_t>(static_cast<unsigned short>(events)) & kAskable;
+  for (;;) {
+    if (const int rc = detail::wait_ready(f, fd, want, dl); rc < 0) return rc;
+    const int rc = raw::poll_now(&p, 1);  // what exactly is ready
+    if (rc != 0) return rc < 0 ? rc : p.revents;
+    // Ready when the engine looked, not any more (another fiber took the data): wait again,
+    // until the same deadline.
+  }
 }
 
 int close(int fd) noexcept {
@@ -583,7 +683,7 @@ int close(int fd) noexcept {
     // Wake every fiber still waiting on it; each withdraws its operation and unlists itself.
     for (detail::IoOp* op = slot->ops; op; op = op->slot_next) {
       op->closed.store(true, std::memory_order_relaxed);
-      detail::waiter_notify(op->w, detail::WakeReason::Cancelled);
+      if (!op->pooled) detail::waiter_notify(op->w, detail::WakeReason::Cancelled);
     }
     while (slot->ops != nullptr) {
       detail::Waiter w;
@@ -599,7 +699,9 @@ int close(int fd) noexcept {
     // once, and an operation (or close) on that one must not find the slot still closing.
     const int rc = static_cast<int>(raw::close(fd));
     slot->closing = false;
-    slot->recv_backlog.store(false, std::memory_order_relaxed);  // the number's next descriptor starts afresh
+    // The number's next descriptor starts afresh.
+    slot->recv_backlog.store(false, std::memory_order_relaxed);
+    slot->seekable.store(false, std::memory_order_relaxed);
     return rc;
   }
 }
