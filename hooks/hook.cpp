@@ -154,22 +154,26 @@ auto resolve_offloaded(Call&& call) {
   return r;
 }
 
-// -errno -> -1 with errno; `timeout_errno` replaces ETIMEDOUT (a SO_*TIMEO expiry).
+// -errno -> -1 with errno. ETIMEDOUT becomes `timeout_errno` (a SO_*TIMEO expiry) only when our
+// deadline `d` has passed: otherwise it is the kernel's own (TCP_USER_TIMEOUT, keepalive, a dead
+// peer), which the real call reports as ETIMEDOUT too.
 template <typename T>
-T finish(T r, int timeout_errno = EAGAIN) noexcept {
+T finish(T r, const fiber::io::Deadline& d = {}, int timeout_errno = EAGAIN) noexcept {
   if (r >= 0) return r;
   int e = static_cast<int>(-r);
-  if (e == ETIMEDOUT) e = timeout_errno;
+  if (e == ETIMEDOUT && d.expired()) e = timeout_errno;
   set_errno(e);
   return static_cast<T>(-1);
 }
 
 // ------------------------------------------------------------------------------ fd knowledge
 
-enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4, kSeekable = 8 };
+// kMessage: a socket that moves whole messages (SOCK_DGRAM, SOCK_SEQPACKET, SOCK_RAW, ...): a send
+// is all or nothing and MSG_WAITALL means nothing; only SOCK_STREAM has a byte stream to finish.
+enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4, kSeekable = 8, kMessage = 16 };
 
 struct FdInfo {
-  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock | kSeekable; 0: ask the kernel
+  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock | kSeekable | kMessage; 0: ask the kernel
   // Set by dup*/F_DUPFD on both descriptors: the open file description (O_NONBLOCK) and the socket
   // (SO_*TIMEO) are shared, so a change made through one must reach what is known of the other.
   std::atomic<uint8_t> shared{0};
@@ -231,8 +235,30 @@ void mark_shared(int a, int b) noexcept {
   if (FdInfo* i = info(b)) i->shared.store(1, std::memory_order_relaxed);
 }
 
-int64_t timeval_ns(const timeval& tv) noexcept {
-  return static_cast<int64_t>(tv.tv_sec) * 1'000'000'000 + static_cast<int64_t>(tv.tv_usec) * 1000;
+// A wait this long (~146 years) is for ever; it still adds to a clock reading without overflow.
+constexpr int64_t kForeverNs = INT64_MAX / 2;
+
+// A valid (non-negative) time as ns, saturating at kForeverNs: a huge tv_sec must not wrap round
+// into a short or negative wait.
+int64_t saturated_ns(int64_t sec, int64_t sub_ns) noexcept {
+  if (sec >= kForeverNs / 1'000'000'000) return kForeverNs;
+  return sec * 1'000'000'000 + sub_ns;
+}
+int64_t timeval_ns(const timeval& tv) noexcept { return saturated_ns(tv.tv_sec, static_cast<int64_t>(tv.tv_usec) * 1000); }
+int64_t timespec_ns(const timespec& ts) noexcept { return saturated_ns(ts.tv_sec, ts.tv_nsec); }
+
+// What is left at this moment of `req` (valid), begun at `start`: never negative, and exact for
+// any tv_sec (computed on the timespec, never as a sum of ns that could overflow).
+timespec time_left(const timespec& req, std::chrono::steady_clock::time_point start) noexcept {
+  const int64_t gone = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  int64_t sec = static_cast<int64_t>(req.tv_sec) - gone / 1'000'000'000;
+  int64_t nsec = req.tv_nsec - gone % 1'000'000'000;
+  if (nsec < 0) {
+    nsec += 1'000'000'000;
+    --sec;
+  }
+  if (sec < 0) return timespec{0, 0};
+  return timespec{static_cast<time_t>(sec), static_cast<long>(nsec)};
 }
 
 // What we know of `fd`, asking the kernel the first time. kKnown unset: unusable (bad fd).
@@ -255,6 +281,9 @@ uint8_t learn(int fd, FdInfo*& out) noexcept {
   if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode)) f |= kSeekable;
   if (S_ISSOCK(st.st_mode)) {
     f |= kSocket;
+    int type = SOCK_STREAM;
+    socklen_t tlen = sizeof type;
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_TYPE, &type, &tlen) == 0 && type != SOCK_STREAM) f |= kMessage;
     timeval tv{};
     socklen_t len = sizeof tv;
     if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &len) == 0) i->rcv_timeout.store(timeval_ns(tv), std::memory_order_relaxed);
@@ -284,7 +313,98 @@ ssize_t park_read(int fd, Now&& now, Wait&& wait) noexcept {
     const ssize_t r = now();
     if (r >= 0 || get_errno() != EAGAIN) return r;
   }
-  return finish(wait(deadline_of(i->rcv_timeout.load(std::memory_order_relaxed))));
+  const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
+  return finish(wait(d), d);
+}
+
+size_t iov_total(const msghdr& m) noexcept {
+  size_t total = 0;
+  for (size_t k = 0; k < m.msg_iovlen; ++k) total += m.msg_iov[k].iov_len;
+  return total;
+}
+
+// `part` becomes `m` with its iovec advanced past the first `done` bytes, held in `rest`. False
+// if the copy cannot be made. Only for an iovec the kernel has accepted (a call with it succeeded
+// or would have blocked): before that it may be any pointer, and the real call says EFAULT.
+bool advance(const msghdr& m, size_t done, std::vector<iovec>& rest, msghdr& part) noexcept {
+  try {
+    rest.assign(m.msg_iov, m.msg_iov + m.msg_iovlen);
+  } catch (...) {
+    return false;
+  }
+  size_t first = 0;
+  while (first < rest.size() && done >= rest[first].iov_len) done -= rest[first++].iov_len;
+  if (first < rest.size()) {
+    rest[first].iov_base = static_cast<char*>(rest[first].iov_base) + done;
+    rest[first].iov_len -= done;
+  }
+  part = m;
+  part.msg_iov = rest.data() + first;
+  part.msg_iovlen = rest.size() - first;
+  return true;
+}
+
+bool wait_all(int flags) noexcept {
+  // MSG_PEEK with it would peek the same bytes again for each part: left as one receive.
+  return (flags & (MSG_WAITALL | MSG_PEEK)) == MSG_WAITALL;
+}
+
+// The rest of a MSG_WAITALL receive on a stream socket, `done` bytes of `m` already in: the
+// kernel's call waits for all of it, but only when it may wait at all, and our first try carried
+// MSG_DONTWAIT. So the rest comes part by part until all of it, end of file, an error or the
+// receive deadline; after some data those give the count, as the kernel's call does. `ctl` is the
+// control buffer's size: each part's ancillary data goes after the last's, none is lost. The
+// address is the first part's.
+ssize_t recv_rest(int fd, msghdr& m, int flags, size_t done, size_t ctl, const fiber::io::Deadline& d) noexcept {
+  const size_t total = iov_total(m);
+  size_t used = done > 0 ? m.msg_controllen : 0;
+  int got = done > 0 ? m.msg_flags : 0;
+  std::vector<iovec> rest;
+  msghdr part;
+  while (done < total) {
+    if (!advance(m, done, rest, part)) {
+      if (done > 0) break;
+      set_errno(ENOMEM);
+      return -1;
+    }
+    if (m.msg_control != nullptr) {
+      part.msg_control = static_cast<char*>(m.msg_control) + std::min(used, ctl);
+      part.msg_controllen = ctl - std::min(used, ctl);
+    }
+    if (done > 0) {
+      part.msg_name = nullptr;
+      part.msg_namelen = 0;
+    }
+    const ssize_t w = fiber::io::recvmsg(fd, &part, flags & ~MSG_WAITALL, d);
+    if (w < 0) {
+      if (done > 0) break;
+      return finish(w, d);
+    }
+    if (done == 0) m.msg_namelen = part.msg_namelen;
+    used += part.msg_controllen;
+    got |= part.msg_flags;
+    if (w == 0) break;  // end of file
+    done += static_cast<size_t>(w);
+  }
+  m.msg_controllen = used;
+  m.msg_flags = got;
+  return static_cast<ssize_t>(done);
+}
+
+// park_read of a MSG_WAITALL receive into `m` (see recv_rest). Where the flag means nothing
+// (not a stream socket) it is park_read.
+template <typename Now, typename Wait>
+ssize_t park_read_all(int fd, msghdr& m, int flags, Now&& now, Wait&& wait) noexcept {
+  FdInfo* i;
+  const uint8_t f = learn(fd, i);
+  if (!(f & kSocket) || (f & kMessage)) return park_read(fd, now, wait);
+  if (f & kNonblock) return -2;  // the kernel ignores MSG_WAITALL there too
+  const size_t ctl = m.msg_controllen;  // the call overwrites it with what it used
+  const ssize_t r = now();
+  if (r < 0 && get_errno() != EAGAIN) return r;
+  if (r == 0) return 0;  // end of file, or nothing asked
+  return recv_rest(fd, m, flags, r > 0 ? static_cast<size_t>(r) : 0, ctl,
+                   deadline_of(i->rcv_timeout.load(std::memory_order_relaxed)));
 }
 
 }  // namespace
@@ -331,8 +451,8 @@ int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
   if (!(f & kKnown) || (f & kNonblock) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
-  return finish(fiber::io::connect(fd, addr, len, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))),
-                EINPROGRESS);
+  const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
+  return finish(fiber::io::connect(fd, addr, len, d), d, EINPROGRESS);
 }
 
 int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
@@ -340,7 +460,8 @@ int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
   if (!(f & kKnown) || (f & kNonblock)) return REAL(accept4, SYS_accept4, fd, addr, len, flags);
-  const int r = finish(fiber::io::accept(fd, addr, len, flags, deadline_of(i->rcv_timeout.load(std::memory_order_relaxed))));
+  const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
+  const int r = finish(fiber::io::accept(fd, addr, len, flags, d), d);
   if (r >= 0) forget(r);
   return r;
 }
@@ -358,10 +479,12 @@ ssize_t read(int fd, void* buf, size_t n) {
 }
 
 ssize_t readv(int fd, const struct iovec* iov, int cnt) {
-  if (may_park()) {
+  // A count the kernel refuses is the real call's EINVAL (recvmsg would read nothing for a
+  // negative one, or say EMSGSIZE).
+  if (may_park() && cnt >= 0 && cnt <= IOV_MAX) {
     msghdr m{};
     m.msg_iov = const_cast<iovec*>(iov);
-    m.msg_iovlen = static_cast<size_t>(cnt < 0 ? 0 : cnt);
+    m.msg_iovlen = static_cast<size_t>(cnt);
     const ssize_t r = park_read(
         fd, [&] { return REAL(recvmsg, SYS_recvmsg, fd, &m, MSG_DONTWAIT); },
         [&](fiber::io::Deadline d) { return fiber::io::readv(fd, iov, cnt, d); });
@@ -381,21 +504,28 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off) {
 }
 ssize_t pread64(int fd, void* buf, size_t n, off_t off) { return pread(fd, buf, n, off); }
 
+// MSG_ERRQUEUE reads the error queue, which never waits: the real call. The fiber receives go
+// without MSG_WAITALL, which park_read_all does itself (and which a message socket ignores).
 ssize_t recv(int fd, void* buf, size_t n, int flags) {
-  if (may_park() && !(flags & MSG_DONTWAIT)) {
-    const ssize_t r = park_read(
-        fd, [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags | MSG_DONTWAIT, nullptr, nullptr); },
-        [&](fiber::io::Deadline d) { return fiber::io::recv(fd, buf, n, flags, d); });
+  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
+    auto now = [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags | MSG_DONTWAIT, nullptr, nullptr); };
+    auto wait = [&](fiber::io::Deadline d) { return fiber::io::recv(fd, buf, n, flags & ~MSG_WAITALL, d); };
+    iovec iov{buf, n};
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    const ssize_t r = wait_all(flags) ? park_read_all(fd, m, flags, now, wait) : park_read(fd, now, wait);
     if (r != -2) return r;
   }
   return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags, nullptr, nullptr);
 }
 
 ssize_t recvmsg(int fd, struct msghdr* msg, int flags) {
-  if (may_park() && !(flags & MSG_DONTWAIT)) {
-    const ssize_t r = park_read(
-        fd, [&] { return REAL(recvmsg, SYS_recvmsg, fd, msg, flags | MSG_DONTWAIT); },
-        [&](fiber::io::Deadline d) { return fiber::io::recvmsg(fd, msg, flags, d); });
+  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
+    auto now = [&] { return REAL(recvmsg, SYS_recvmsg, fd, msg, flags | MSG_DONTWAIT); };
+    auto wait = [&](fiber::io::Deadline d) { return fiber::io::recvmsg(fd, msg, flags & ~MSG_WAITALL, d); };
+    // A null msg is the real call's EFAULT (through park_read's first try).
+    const ssize_t r = wait_all(flags) && msg != nullptr ? park_read_all(fd, *msg, flags, now, wait) : park_read(fd, now, wait);
     if (r != -2) return r;
   }
   return REAL(recvmsg, SYS_recvmsg, fd, msg, flags);
@@ -403,7 +533,7 @@ ssize_t recvmsg(int fd, struct msghdr* msg, int flags) {
 
 ssize_t recvfrom(int fd, void* buf, size_t n, int flags, struct sockaddr* addr, socklen_t* len) {
   if (addr == nullptr) return recv(fd, buf, n, flags);
-  if (may_park() && !(flags & MSG_DONTWAIT)) {
+  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
     iovec iov{buf, n};
     msghdr m{};
     m.msg_name = addr;
@@ -441,11 +571,12 @@ ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
   }
   const ssize_t r = now();
   if (r < 0 && get_errno() != EAGAIN) return r;
-  if (r > 0) done = static_cast<size_t>(r);
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
+  if (f & kMessage) return r >= 0 ? r : finish(wait(0, d), d);  // one message, whole (even empty)
+  if (r > 0) done = static_cast<size_t>(r);
   while (done < total) {
     const ssize_t w = wait(done, d);
-    if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w);
+    if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w, d);
     done += static_cast<size_t>(w);
   }
   return static_cast<ssize_t>(done);
@@ -477,71 +608,71 @@ ssize_t send(int fd, const void* buf, size_t n, int flags) {
   return REAL(sendto, SYS_sendto, fd, buf, n, flags, nullptr, 0);
 }
 
-ssize_t sendto(int fd, const void* buf, size_t n, int flags, const struct sockaddr* addr, socklen_t len) {
-  if (addr == nullptr) return send(fd, buf, n, flags);
-  if (may_park() && !(flags & MSG_DONTWAIT)) {
-    // Datagrams (an address given): all or nothing, so one fiber send suffices.
-    FdInfo* i;
-    const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNonblock)) {
-      iovec iov{const_cast<void*>(buf), n};
-      msghdr m{};
-      m.msg_name = const_cast<sockaddr*>(addr);
-      m.msg_namelen = len;
-      m.msg_iov = &iov;
-      m.msg_iovlen = 1;
-      return finish(fiber::io::sendmsg(fd, &m, flags, deadline_of(i->snd_timeout.load(std::memory_order_relaxed))));
-    }
-  }
-  return REAL(sendto, SYS_sendto, fd, buf, n, flags, addr, len);
-}
-
 }  // extern "C"
 
 namespace {
 
 // sendmsg/writev on a blocking descriptor: everything is written (as the kernel's blocking call
 // does), `done` bytes of `m` already were. The rest goes out from a copy of the iovec advanced
-// past what was sent; ancillary data went with the first bytes. Returns the total, or the count
-// so far when a later part times out or fails.
-ssize_t send_rest(int fd, const msghdr& m, int flags, size_t done, fiber::io::Deadline d, bool socket) noexcept {
-  size_t total = 0;
-  for (size_t k = 0; k < m.msg_iovlen; ++k) total += m.msg_iov[k].iov_len;
+// past what was sent (advance: the first part was the caller's, which the kernel checked);
+// ancillary data went with the first bytes. Returns the total, or the count so far when a later
+// part times out or fails.
+ssize_t send_rest(int fd, const msghdr& m, int flags, size_t done, const fiber::io::Deadline& d, bool socket) noexcept {
+  const size_t total = iov_total(m);
   std::vector<iovec> rest;
-  while (done < total) {
-    try {
-      rest.assign(m.msg_iov, m.msg_iov + m.msg_iovlen);
-    } catch (...) {
-      return static_cast<ssize_t>(done);
-    }
-    size_t skip = done, first = 0;
-    while (first < rest.size() && skip >= rest[first].iov_len) skip -= rest[first++].iov_len;
-    rest[first].iov_base = static_cast<char*>(rest[first].iov_base) + skip;
-    rest[first].iov_len -= skip;
-    const int cnt = static_cast<int>(rest.size() - first);
+  msghdr part;
+  while (done < total && advance(m, done, rest, part)) {
     ssize_t w;
     if (socket) {
-      msghdr part = m;
-      part.msg_iov = rest.data() + first;
-      part.msg_iovlen = static_cast<size_t>(cnt);
       if (done > 0) {
         part.msg_control = nullptr;
         part.msg_controllen = 0;
       }
       w = fiber::io::sendmsg(fd, &part, flags, d);
     } else {
-      w = fiber::io::writev(fd, rest.data() + first, cnt, d);
+      w = fiber::io::writev(fd, part.msg_iov, static_cast<int>(part.msg_iovlen), d);
     }
-    if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w);
+    if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w, d);
     if (w == 0) break;
     done += static_cast<size_t>(w);
   }
   return static_cast<ssize_t>(done);
 }
 
+// A send on a blocking socket after the first try without waiting gave `r`: on a stream the rest
+// (send_rest); a message (kMessage) goes whole or not at all, so it was sent, or is sent once
+// there is room - never in parts, which would be several messages.
+ssize_t send_after(int fd, const msghdr& m, int flags, ssize_t r, uint8_t f, const fiber::io::Deadline& d) noexcept {
+  if (r < 0 && get_errno() != EAGAIN) return r;
+  if (f & kMessage) return r >= 0 ? r : finish(fiber::io::sendmsg(fd, &m, flags, d), d);
+  return send_rest(fd, m, flags, r > 0 ? static_cast<size_t>(r) : 0, d, true);
+}
+
 }  // namespace
 
 extern "C" {
+
+// With an address: on a datagram socket one message, on a (connected) stream socket a send
+// like any other, written in full - the address goes with each part, for the kernel to ignore
+// (TCP) or refuse (AF_UNIX: EISCONN) as its own sendto does.
+ssize_t sendto(int fd, const void* buf, size_t n, int flags, const struct sockaddr* addr, socklen_t len) {
+  if (addr == nullptr) return send(fd, buf, n, flags);
+  if (may_park() && !(flags & MSG_DONTWAIT)) {
+    FdInfo* i;
+    const uint8_t f = learn(fd, i);
+    if ((f & kSocket) && !(f & kNonblock)) {
+      const ssize_t r = REAL(sendto, SYS_sendto, fd, buf, n, flags | MSG_DONTWAIT, addr, len);
+      iovec iov{const_cast<void*>(buf), n};
+      msghdr m{};
+      m.msg_name = const_cast<sockaddr*>(addr);
+      m.msg_namelen = len;
+      m.msg_iov = &iov;
+      m.msg_iovlen = 1;
+      return send_after(fd, m, flags, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
+    }
+  }
+  return REAL(sendto, SYS_sendto, fd, buf, n, flags, addr, len);
+}
 
 ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
   if (may_park() && !(flags & MSG_DONTWAIT)) {
@@ -549,9 +680,8 @@ ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
     const uint8_t f = learn(fd, i);
     if ((f & kKnown) && !(f & kNonblock)) {
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, msg, flags | MSG_DONTWAIT);
-      if (r < 0 && get_errno() != EAGAIN) return r;
-      return send_rest(fd, *msg, flags, r > 0 ? static_cast<size_t>(r) : 0,
-                       deadline_of(i->snd_timeout.load(std::memory_order_relaxed)), true);
+      if (r < 0 && get_errno() != EAGAIN) return r;  // a bad msg among them: not to be read
+      return send_after(fd, *msg, flags, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
     }
   }
   return REAL(sendmsg, SYS_sendmsg, fd, msg, flags);
@@ -566,11 +696,15 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
       msghdr m{};
       m.msg_iov = const_cast<iovec*>(iov);
       m.msg_iovlen = static_cast<size_t>(cnt);
-      if (!(f & kSocket)) return send_rest(fd, m, 0, 0, fiber::io::Deadline(), false);
+      // The first part goes with the caller's iovec as it is, so the kernel checks it (EFAULT)
+      // before send_rest reads it.
+      if (!(f & kSocket)) {
+        const ssize_t r = fiber::io::writev(fd, iov, cnt);
+        if (r < 0) return finish(r);
+        return send_rest(fd, m, 0, static_cast<size_t>(r), fiber::io::Deadline(), false);
+      }
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, &m, MSG_DONTWAIT);
-      if (r < 0 && get_errno() != EAGAIN) return r;
-      return send_rest(fd, m, 0, r > 0 ? static_cast<size_t>(r) : 0,
-                       deadline_of(i->snd_timeout.load(std::memory_order_relaxed)), true);
+      return send_after(fd, m, 0, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
     }
   }
   return REAL(writev, SYS_writev, fd, iov, cnt);
@@ -591,10 +725,6 @@ ssize_t pwrite64(int fd, const void* buf, size_t n, off_t off) { return pwrite(f
 }  // extern "C"
 
 namespace {
-
-int64_t timespec_ns(const timespec& ts) noexcept {
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 
 // poll(2) inside a fiber, `timeout_ns` < 0 for none. One descriptor waits on the engine; several
 // wait on a blocking-offload helper thread (the fiber parks either way).
@@ -627,15 +757,87 @@ int fiber_poll(struct pollfd* fds, nfds_t n, int64_t timeout_ns) noexcept {
     return 1;
   }
   try {
-    const int ms = timeout_ns < 0 ? -1 : static_cast<int>((timeout_ns + 999'999) / 1'000'000);
+    // ppoll, not poll: a timeout in ms would not fit an int beyond 24 days.
+    const timespec ts{static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)};
     int err = 0;
     const int r = fiber::blocking([&] {
-      const int rc = real_poll(fds, n, ms);
+      const int rc = real_ppoll(fds, n, timeout_ns < 0 ? nullptr : &ts, nullptr);
       if (rc < 0) err = errno;
       return rc;
     });
     if (r < 0) set_errno(err);
     return r;
+  } catch (...) {
+    set_errno(EINTR);
+    return -1;
+  }
+}
+
+// select's sets as the kernel reads poll's answer (fs/select.c: POLLIN_SET, POLLOUT_SET,
+// POLLEX_SET). POLLHUP and POLLERR, which poll reports whatever was asked, count only for the
+// read and write sets: for a descriptor only in exceptfds they are no answer at all.
+constexpr short kInSet = POLLIN | POLLRDNORM | POLLRDBAND | POLLHUP | POLLERR;
+constexpr short kOutSet = POLLOUT | POLLWRNORM | POLLWRBAND | POLLERR;
+constexpr short kExSet = POLLPRI;
+
+std::vector<pollfd> select_fds(int nfds, const fd_set* r, const fd_set* w, const fd_set* e) {
+  std::vector<pollfd> fds;
+  for (int fd = 0; fd < nfds; ++fd) {
+    short ev = 0;
+    if (r && FD_ISSET(fd, r)) ev |= POLLIN;
+    if (w && FD_ISSET(fd, w)) ev |= POLLOUT;
+    if (e && FD_ISSET(fd, e)) ev |= POLLPRI;
+    if (ev) fds.push_back(pollfd{fd, ev, 0});
+  }
+  return fds;
+}
+
+// The bits poll's answer sets, each in a set the descriptor was asked for; into the sets when
+// `r`, `w`, `e` are given (and cleared first).
+int select_bits(const std::vector<pollfd>& fds, fd_set* r, fd_set* w, fd_set* e) noexcept {
+  if (r) FD_ZERO(r);
+  if (w) FD_ZERO(w);
+  if (e) FD_ZERO(e);
+  int count = 0;
+  auto mark = [&](fd_set* set, int fd) {
+    if (set) FD_SET(fd, set);
+    ++count;
+  };
+  for (const pollfd& p : fds) {
+    if ((p.events & POLLIN) && (p.revents & kInSet)) mark(r, p.fd);
+    if ((p.events & POLLOUT) && (p.revents & kOutSet)) mark(w, p.fd);
+    if ((p.events & POLLPRI) && (p.revents & kExSet)) mark(e, p.fd);
+  }
+  return count;
+}
+
+timeval to_timeval(const timespec& ts) noexcept {  // rounded up: never a shorter wait
+  timeval tv{ts.tv_sec, static_cast<suseconds_t>((ts.tv_nsec + 999) / 1000)};
+  if (tv.tv_usec == 1'000'000) tv = timeval{tv.tv_sec + 1, 0};
+  return tv;
+}
+
+using select_fn = int (*)(int, fd_set*, fd_set*, fd_set*, timeval*);
+
+// select when poll reports what select does not (POLLHUP/POLLERR of a descriptor only in
+// exceptfds): poll would report it again at once, so waiting with it would spin, and returning
+// would be select returning 0 before its timeout. The real select waits it out as the kernel's
+// does, on a blocking-offload helper thread for the time left (`tv` begun at `start`), while the
+// fiber parks.
+int select_offloaded(select_fn real, int nfds, fd_set* r, fd_set* w, fd_set* e, timeval* tv,
+                     std::chrono::steady_clock::time_point start) noexcept {
+  timeval left{};
+  if (tv) left = to_timeval(time_left(timespec{tv->tv_sec, static_cast<long>(tv->tv_usec) * 1000}, start));
+  int err = 0;
+  try {
+    const int rc = fiber::blocking([&] {
+      const int x = real(nfds, r, w, e, tv ? &left : nullptr);
+      if (x < 0) err = errno;
+      return x;
+    });
+    if (tv) *tv = left;
+    if (rc < 0) set_errno(err);
+    return rc;
   } catch (...) {
     set_errno(EINTR);
     return -1;
@@ -677,36 +879,26 @@ int select(int nfds, fd_set* r, fd_set* w, fd_set* e, struct timeval* tv) {
     return real(nfds, r, w, e, tv);
   }
   // As poll: the sets become pollfds, the result goes back into the sets.
+  const auto start = std::chrono::steady_clock::now();
   std::vector<pollfd> fds;
   try {
-    for (int fd = 0; fd < nfds; ++fd) {
-      short ev = 0;
-      if (r && FD_ISSET(fd, r)) ev |= POLLIN;
-      if (w && FD_ISSET(fd, w)) ev |= POLLOUT;
-      if (e && FD_ISSET(fd, e)) ev |= POLLPRI;
-      if (ev) fds.push_back(pollfd{fd, ev, 0});
-    }
+    fds = select_fds(nfds, r, w, e);
   } catch (...) {
     return real(nfds, r, w, e, tv);
   }
-  const int64_t ns = tv ? timeval_ns(*tv) : -1;
   int rc = real_poll(fds.data(), fds.size(), 0);
-  if (rc == 0) rc = fiber_poll(fds.data(), fds.size(), ns);
+  if (rc == 0) rc = fiber_poll(fds.data(), fds.size(), tv ? timeval_ns(*tv) : -1);
   if (rc < 0) return rc;
-  if (r) FD_ZERO(r);
-  if (w) FD_ZERO(w);
-  if (e) FD_ZERO(e);
-  int count = 0;
   for (const pollfd& p : fds) {
     if (p.revents & POLLNVAL) {
       set_errno(EBADF);
       return -1;
     }
-    if (r && (p.revents & (POLLIN | POLLHUP | POLLERR))) { FD_SET(p.fd, r); ++count; }
-    if (w && (p.revents & (POLLOUT | POLLERR))) { FD_SET(p.fd, w); ++count; }
-    if (e && (p.revents & POLLPRI)) { FD_SET(p.fd, e); ++count; }
   }
-  if (tv && rc == 0) *tv = timeval{0, 0};  // Linux updates the timeout with what is left
+  if (rc > 0 && select_bits(fds, nullptr, nullptr, nullptr) == 0) return select_offloaded(real, nfds, r, w, e, tv, start);
+  const int count = select_bits(fds, r, w, e);
+  // Linux updates the timeout with what is left (nothing, when it ran out).
+  if (tv) *tv = rc == 0 ? timeval{0, 0} : to_timeval(time_left(timespec{tv->tv_sec, static_cast<long>(tv->tv_usec) * 1000}, start));
   return count;
 }
 
@@ -718,7 +910,9 @@ int close(int fd) {
   // io::close allocates nothing and, with no fiber ever having waited, is the plain close.
   // In a forked child the runtime's threads and fibers do not exist: nothing there can wait on
   // `fd`, and io::close would wait for the parent's waiters forever.
-  if (!g_resolved.load(std::memory_order_acquire) || g_forked_child.load(std::memory_order_relaxed)) {
+  // In a signal handler likewise: a handler must not park, nor take the runtime's locks, which
+  // the code it interrupted may hold; fibers waiting on `fd` then see what the kernel does.
+  if (!g_resolved.load(std::memory_order_acquire) || g_forked_child.load(std::memory_order_relaxed) || t_in_signal > 0) {
     return static_cast<int>(::syscall(SYS_close, fd));
   }
   return finish(fiber::io::close(fd));
@@ -874,17 +1068,20 @@ sighandler_t signal(int sig, sighandler_t handler) noexcept {
 // ---- sleeping
 
 int nanosleep(const struct timespec* req, struct timespec* rem) {
+  // Invalid requests are the kernel's to report (EFAULT, EINVAL).
   if (!may_park() || req == nullptr || req->tv_nsec < 0 || req->tv_nsec >= 1'000'000'000 || req->tv_sec < 0) {
     return REAL(nanosleep, SYS_nanosleep, req, rem);
   }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timespec_ns(*req));
+  const timespec want = *req;
+  const auto start = std::chrono::steady_clock::now();
+  // A request too long for the clock (a huge tv_sec) sleeps until interrupted, as the kernel's
+  // does in effect; it must not wrap round into no sleep at all.
+  const int64_t ns = timespec_ns(want);
+  const auto until = ns >= kForeverNs ? std::chrono::steady_clock::time_point::max() : start + std::chrono::nanoseconds(ns);
   try {
     fiber::this_fiber::sleep_until(until);
   } catch (const fiber::Cancelled&) {
-    if (rem) {
-      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(until - std::chrono::steady_clock::now()).count();
-      *rem = timespec{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
-    }
+    if (rem) *rem = time_left(want, start);
     set_errno(EINTR);
     return -1;
   }

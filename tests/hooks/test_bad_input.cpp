@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <functional>
 #include <string>
 #include <thread>
@@ -52,9 +53,13 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
   // A number that is not open (not one just closed: another thread may get that one back).
   const int closed = static_cast<int>(::sysconf(_SC_OPEN_MAX)) - 1;
   REQUIRE(::syscall(SYS_fcntl, closed, F_GETFD, 0) == -1);
+  int pp[2];  // a pipe: writev on it takes the non-socket path
+  REQUIRE(::syscall(SYS_pipe2, pp, 0) == 0);
   char buf[16];
   iovec iov{buf, sizeof buf};
   const timespec bad_ts{0, 2'000'000'000};
+  const timespec neg_ts{-1, 0};
+  const sockaddr_storage any{AF_INET, {}, 0};
 
   const std::vector<Case> cases = {
       {"read(-1)", [&] { return long(::read(-1, buf, 1)); }, [&] { return ::syscall(SYS_read, -1, buf, 1); }},
@@ -62,6 +67,17 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
       {"write(-1)", [&] { return long(::write(-1, buf, 1)); }, [&] { return ::syscall(SYS_write, -1, buf, 1); }},
       {"readv(-1)", [&] { return long(::readv(-1, &iov, 1)); }, [&] { return ::syscall(SYS_readv, -1, &iov, 1); }},
       {"writev(sock, cnt -1)", [&] { return long(::writev(sv[0], &iov, -1)); }, [&] { return ::syscall(SYS_writev, sv[0], &iov, -1); }},
+      {"writev(pipe, null iov)", [&] { return long(::writev(pp[1], nullptr, 1)); }, [&] { return ::syscall(SYS_writev, pp[1], nullptr, 1); }},
+      {"writev(pipe, cnt IOV_MAX+1)", [&] { return long(::writev(pp[1], &iov, IOV_MAX + 1)); },
+       [&] { return ::syscall(SYS_writev, pp[1], &iov, IOV_MAX + 1); }},
+      {"readv(sock with data, cnt -1)", [&] { return long(::readv(sv[0], &iov, -1)); }, [&] { return ::syscall(SYS_readv, sv[0], &iov, -1); }},
+      {"readv(sock with data, cnt IOV_MAX+1)", [&] { return long(::readv(sv[0], &iov, IOV_MAX + 1)); },
+       [&] { return ::syscall(SYS_readv, sv[0], &iov, IOV_MAX + 1); }},
+      {"recvmsg(sock, null msg, MSG_WAITALL)", [&] { return long(::recvmsg(sv[0], nullptr, MSG_WAITALL)); },
+       [&] { return ::syscall(SYS_recvmsg, sv[0], nullptr, MSG_WAITALL); }},
+      {"sendto(connected unix stream, an address)",
+       [&] { return long(::sendto(sv[0], buf, 1, MSG_NOSIGNAL, reinterpret_cast<const sockaddr*>(&any), sizeof any)); },
+       [&] { return ::syscall(SYS_sendto, sv[0], buf, 1, MSG_NOSIGNAL, &any, sizeof any); }},
       {"recv(sock, null buffer)", [&] { return long(::recv(sv[0], nullptr, 4, 0)); },
        [&] { return ::syscall(SYS_recvfrom, sv[0], nullptr, 4, 0, nullptr, nullptr); }},
       {"read(sock, null buffer)", [&] { return long(::read(sv[0], nullptr, 4)); }, [&] { return ::syscall(SYS_read, sv[0], nullptr, 4); }},
@@ -77,6 +93,7 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
       {"connect(-1)", [&] { return long(::connect(-1, nullptr, 0)); }, [&] { return ::syscall(SYS_connect, -1, nullptr, 0); }},
       {"poll(null, 1)", [&] { return long(::poll(nullptr, 1, 10)); }, [&] { return ::syscall(SYS_poll, nullptr, 1, 10); }},
       {"nanosleep(bad)", [&] { return long(::nanosleep(&bad_ts, nullptr)); }, [&] { return ::syscall(SYS_nanosleep, &bad_ts, nullptr); }},
+      {"nanosleep(negative)", [&] { return long(::nanosleep(&neg_ts, nullptr)); }, [&] { return ::syscall(SYS_nanosleep, &neg_ts, nullptr); }},
       {"select(-1)", [&] { return long(::select(-1, nullptr, nullptr, nullptr, nullptr)); },
        [&] { return ::syscall(SYS_select, -1, nullptr, nullptr, nullptr, nullptr); }},
       {"fcntl(-1)", [&] { return long(::fcntl(-1, F_GETFL)); }, [&] { return ::syscall(SYS_fcntl, -1, F_GETFL, 0); }},
@@ -106,4 +123,6 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
   }
   ::close(sv[0]);
   ::close(sv[1]);
+  ::close(pp[0]);
+  ::close(pp[1]);
 }

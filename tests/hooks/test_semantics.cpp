@@ -4,15 +4,21 @@
 //     EINPROGRESS), and what the kernel knows of the descriptor is the truth (dup shares it);
 //   - close from another fiber (or thread) wakes a fiber blocked on the descriptor with EBADF;
 //   - errno is right after a park, after a migration, and per fiber;
-//   - a cancelled sleep reports EINTR; a signal handler gets the real calls.
+//   - a cancelled sleep reports EINTR; a signal handler gets the real calls;
+//   - MSG_WAITALL waits for all of it, MSG_ERRQUEUE never waits, a stream socket's sendto writes
+//     everything, select never ends early, a huge timeout is for ever, the kernel's own
+//     ETIMEDOUT stays ETIMEDOUT.
 #include <doctest/doctest.h>
 
 #include <dirent.h>
+#include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/select.h>
 #include <sys/uio.h>
 #include <time.h>
 
 #include <atomic>
+#include <climits>
 #include <cstring>
 #include <memory>
 #include <set>
@@ -666,6 +672,346 @@ TEST_CASE("semantics: a signal handler interrupting a fiber makes real calls; er
     CHECK(g_handled.load() == 2);
     CHECK((::signal(SIGUSR1, SIG_DFL) == on_usr1));
     ::sigaction(SIGUSR1, &old, nullptr);
+  });
+}
+// ================================================================================ the kernel's semantics, case by case
+
+TEST_CASE("semantics: MSG_WAITALL on a stream socket waits for the whole length, end of file, or SO_RCVTIMEO") {
+  on_fiber(1, [] {
+    // recv: half of it there; the rest is written once the call has parked.
+    {
+      Pair p = make_socketpair();
+      write_str(p.b, "0123456789");
+      char buf[21] = {};
+      auto r = parked_call([&] { return call([&] { return ::recv(p.a, buf, 20, MSG_WAITALL); }); },
+                           [&] { write_str(p.b, "abcdefghij"); });
+      CHECK_MESSAGE(r.value.r == 20, "recv(MSG_WAITALL) gave " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK(std::string(buf) == "0123456789abcdefghij");
+      CHECK(r.parked);
+    }
+    // recvmsg into two buffers, nothing there at first, the data in two pieces.
+    {
+      Pair p = make_socketpair();
+      char b1[5] = {}, b2[7] = {};
+      iovec iov[2] = {{b1, 4}, {b2, 6}};
+      msghdr m{};
+      m.msg_iov = iov;
+      m.msg_iovlen = 2;
+      auto r = parked_call([&] { return call([&] { return ::recvmsg(p.a, &m, MSG_WAITALL); }); },
+                           [&] {
+                             write_str(p.b, "ab");
+                             std::this_thread::sleep_for(20ms);  // likely a receive in between
+                             write_str(p.b, "cdefghij");
+                           });
+      CHECK_MESSAGE(r.value.r == 10, "recvmsg(MSG_WAITALL) gave " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK(std::string(b1) == "abcd");
+      CHECK(std::string(b2) == "efghij");
+    }
+    // End of file: what came before it.
+    {
+      Pair p = make_socketpair();
+      write_str(p.b, "xyz");
+      char buf[20];
+      auto r = parked_call([&] { return call([&] { return ::recv(p.a, buf, sizeof buf, MSG_WAITALL); }); },
+                           [&] { ::shutdown(p.b, SHUT_WR); });
+      CHECK(r.value.r == 3);
+      CHECK(r.parked);
+    }
+    // SO_RCVTIMEO: the count received before it expired; with nothing, EAGAIN.
+    {
+      Pair p = make_socketpair();
+      set_timeout(p.a, SO_RCVTIMEO, 50ms);
+      write_str(p.b, "12345");
+      char buf[20];
+      auto r = parked_call([&] { return call([&] { return ::recv(p.a, buf, sizeof buf, MSG_WAITALL); }); }, [] {});
+      CHECK_MESSAGE(r.value.r == 5, "recv(MSG_WAITALL) with SO_RCVTIMEO gave " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK(r.parked);
+      const Res none = call([&] { return ::recv(p.a, buf, sizeof buf, MSG_WAITALL); });
+      CHECK((none.r == -1 && none.e == EAGAIN));
+    }
+    // TCP, through recvfrom with an address.
+    {
+      Listener l = tcp_listener();
+      Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+      REQUIRE(::connect(c, sa(l.addr), sizeof l.addr) == 0);
+      Fd s(::accept(l.fd, nullptr, nullptr));
+      REQUIRE(s >= 0);
+      write_str(c, "hello");
+      char buf[12] = {};
+      sockaddr_in from{};
+      socklen_t len = sizeof from;
+      auto r = parked_call(
+          [&] { return call([&] { return ::recvfrom(s, buf, 11, MSG_WAITALL, reinterpret_cast<sockaddr*>(&from), &len); }); },
+          [&] { write_str(c, " world"); });
+      CHECK_MESSAGE(r.value.r == 11, "recvfrom(MSG_WAITALL) on TCP gave " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK(std::string(buf) == "hello world");
+    }
+    // The caller's non-blocking choice stands: what there is, at once.
+    {
+      Pair p = make_socketpair();
+      Pair nb = make_socketpair(SOCK_NONBLOCK);
+      write_str(p.b, "abc");
+      write_str(nb.b, "abc");
+      char buf[20];
+      auto d = no_park_call([&] { return call([&] { return ::recv(p.a, buf, sizeof buf, MSG_WAITALL | MSG_DONTWAIT); }); },
+                            [&] { ::shutdown(p.b, SHUT_WR); });
+      CHECK(d.value.r == 3);
+      CHECK(!d.parked);
+      auto n = no_park_call([&] { return call([&] { return ::recv(nb.a, buf, sizeof buf, MSG_WAITALL); }); },
+                            [&] { ::shutdown(nb.b, SHUT_WR); });
+      CHECK(n.value.r == 3);
+      CHECK(!n.parked);
+    }
+    // A message socket: one message (MSG_WAITALL means nothing there).
+    {
+      Pair p = make_socketpair(0, SOCK_SEQPACKET);
+      char buf[20];
+      auto r = parked_call([&] { return call([&] { return ::recv(p.a, buf, sizeof buf, MSG_WAITALL); }); },
+                           [&] {
+                             write_str(p.b, "ab");
+                             write_str(p.b, "cd");
+                           });
+      CHECK_MESSAGE(r.value.r == 2, "recv(MSG_WAITALL) on SOCK_SEQPACKET gave " << r.value.r);
+    }
+  });
+}
+
+TEST_CASE("semantics: MSG_ERRQUEUE reads the error queue without waiting: EAGAIN when it is empty") {
+  on_fiber(1, [] {
+    for (const bool use_msg : {false, true}) {
+      const int u = ::socket(AF_INET, SOCK_DGRAM, 0);
+      REQUIRE(u >= 0);
+      std::atomic<bool> closed{false};
+      char buf[64];
+      iovec iov{buf, sizeof buf};
+      msghdr m{};
+      m.msg_iov = &iov;
+      m.msg_iovlen = 1;
+      auto r = no_park_call(
+          [&] {
+            return call([&] { return use_msg ? ::recvmsg(u, &m, MSG_ERRQUEUE) : ::recv(u, buf, sizeof buf, MSG_ERRQUEUE); });
+          },
+          [&] {  // were it to wait, the close ends it
+            closed = true;
+            ::close(u);
+          });
+      const char* name = use_msg ? "recvmsg(MSG_ERRQUEUE)" : "recv(MSG_ERRQUEUE)";
+      CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN), name << ": " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK_MESSAGE(!r.parked, name << " waited");
+      if (!closed.load()) ::close(u);
+    }
+  });
+}
+
+TEST_CASE("semantics: sendto with an address writes all of it on a connected stream socket, one message on a datagram one") {
+  on_fiber(1, [] {
+    Listener l = tcp_listener();
+    Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+    REQUIRE(::connect(c, sa(l.addr), sizeof l.addr) == 0);
+    Fd s(::accept(l.fd, nullptr, nullptr));
+    REQUIRE(s >= 0);
+    // More than the socket buffers hold: the first try sends a part.
+    const size_t n = 16 << 20;
+    std::vector<char> big(n);
+    for (size_t k = 0; k < n; ++k) big[k] = static_cast<char>(k * 7);
+    size_t got = 0, bad = 0;
+    std::thread reader([&] { got = drain(s, n, 10'000ms, 0, &bad); });
+    const Res r = call([&] { return ::sendto(c, big.data(), n, 0, sa(l.addr), sizeof l.addr); });
+    ::shutdown(c, SHUT_WR);
+    reader.join();
+    CHECK_MESSAGE(r.r == static_cast<long>(n), "sendto on connected TCP: " << r.r << " of " << n << ", errno " << err_str(r.e));
+    CHECK(got == n);
+    CHECK(bad == 0);
+
+    // AF_UNIX stream: the kernel refuses an address on a connected socket.
+    Pair p = make_socketpair();
+    const sockaddr_in any = loopback(9);
+    const Res u = call([&] { return ::sendto(p.a, "x", 1, 0, sa(any), sizeof any); });
+    CHECK_MESSAGE((u.r == -1 && u.e == EISCONN), "sendto on AF_UNIX stream: " << u.r << " errno " << err_str(u.e));
+
+    // UDP: one datagram, whole.
+    Fd rx(::socket(AF_INET, SOCK_DGRAM, 0));
+    sockaddr_in to = loopback();
+    REQUIRE(::bind(rx, sa(to), sizeof to) == 0);
+    socklen_t len = sizeof to;
+    REQUIRE(::getsockname(rx, reinterpret_cast<sockaddr*>(&to), &len) == 0);
+    Fd tx(::socket(AF_INET, SOCK_DGRAM, 0));
+    const Res d = call([&] { return ::sendto(tx, big.data(), 1000, 0, sa(to), sizeof to); });
+    CHECK(d.r == 1000);
+    char buf[2000];
+    CHECK(::recv(rx, buf, sizeof buf, 0) == 1000);
+  });
+}
+
+TEST_CASE("semantics: select never returns 0 early; exceptfds is POLLPRI, a hang-up is no exception") {
+  on_fiber(1, [] {
+    Pair hup = make_socketpair();
+    hup.b.reset();  // peer gone: poll reports POLLHUP on hup.a, whatever it asked
+    Pair q = make_pipe();
+    const int nfds = std::max(hup.a.get(), q.a.get()) + 1;
+    // No timeout: only the pipe's data ends it.
+    fd_set rd, ex;
+    FD_ZERO(&rd);
+    FD_ZERO(&ex);
+    FD_SET(q.a, &rd);
+    FD_SET(hup.a, &ex);
+    auto r = parked_call([&] { return call([&] { return ::select(nfds, &rd, nullptr, &ex, nullptr); }); },
+                         [&] { write_str(q.b, "s"); });
+    CHECK_MESSAGE(r.value.r == 1, "select (no timeout, a hung-up socket in exceptfds) gave " << r.value.r << " errno "
+                                                                                            << err_str(r.value.e));
+    CHECK(FD_ISSET(q.a, &rd));
+    CHECK_FALSE(FD_ISSET(hup.a, &ex));
+    CHECK(r.parked);
+    char c;
+    REQUIRE(::read(q.a, &c, 1) == 1);
+    // With a timeout: 0 only once it has passed, and nothing left of it.
+    FD_ZERO(&ex);
+    FD_SET(hup.a, &ex);
+    timeval tv{0, 100'000};
+    const auto t0 = Clock::now();
+    const Res t = call([&] { return ::select(nfds, nullptr, nullptr, &ex, &tv); });
+    CHECK(t.r == 0);
+    CHECK_MESSAGE(Clock::now() - t0 >= 100ms, "select returned 0 before its timeout");
+    CHECK((tv.tv_sec == 0 && tv.tv_usec == 0));
+    // Bits only in the sets a descriptor was asked for: the hung-up socket is writable, not readable.
+    fd_set rs, ws;
+    FD_ZERO(&rs);
+    FD_ZERO(&ws);
+    FD_SET(q.a, &rs);
+    FD_SET(hup.a, &ws);
+    timeval tv2{5, 0};
+    const Res b = call([&] { return ::select(nfds, &rs, &ws, nullptr, &tv2); });
+    CHECK(b.r == 1);
+    CHECK(FD_ISSET(hup.a, &ws));
+    CHECK_FALSE(FD_ISSET(hup.a, &rs));
+    CHECK_FALSE(FD_ISSET(q.a, &rs));
+    // Urgent data is what exceptfds reports. (Already there: the io_uring engine's wait for
+    // POLLPRI alone is not woken by its arrival - libfiber's to mend, see fiber::io::poll.)
+    Listener l = tcp_listener();
+    Fd cl(::socket(AF_INET, SOCK_STREAM, 0));
+    REQUIRE(::connect(cl, sa(l.addr), sizeof l.addr) == 0);
+    Fd sv(::accept(l.fd, nullptr, nullptr));
+    REQUIRE(sv >= 0);
+    REQUIRE(::send(cl, "!", 1, MSG_OOB) == 1);
+    pollfd urgent{sv, POLLPRI, 0};
+    REQUIRE(::poll(&urgent, 1, 5'000) == 1);  // arrived
+    FD_ZERO(&ex);
+    FD_SET(sv, &ex);
+    timeval tv3{5, 0};
+    const Res u = call([&] { return ::select(sv + 1, nullptr, nullptr, &ex, &tv3); });
+    CHECK(u.r == 1);
+    CHECK(FD_ISSET(sv, &ex));
+  });
+}
+
+namespace {
+// tv_sec * 10^9 wraps round to 512 ns in 64 bits: a timeout converted without saturating ends at once.
+constexpr time_t kWrapsSec = 20'211'507'185'753'197;
+}  // namespace
+
+TEST_CASE("semantics: a sleep or timeout too long for the clock lasts until interrupted; an invalid one is EINVAL") {
+  on_fiber(2, [] {
+    for (const time_t sec : {time_t{LONG_MAX}, kWrapsSec}) {
+      std::atomic<bool> entering{false}, done{false};
+      auto h = fiber::spawn([&] {
+        timespec req{sec, 0}, rem{0, 0};
+        entering = true;
+        const Res r = call([&] { return ::nanosleep(&req, &rem); });
+        done = true;
+        return std::make_pair(r, rem);
+      });
+      REQUIRE(wait_for([&] { return entering.load(); }));
+      fiber::this_fiber::sleep_for(100ms);
+      CHECK_MESSAGE(!done.load(), "nanosleep({" << sec << ", 0}) returned at once");
+      h.cancel();
+      auto [r, rem] = h.join();
+      CHECK((r.r == -1 && r.e == EINTR));
+      CHECK(rem.tv_sec >= sec - 10);  // nearly all of it left
+    }
+  });
+  on_fiber(1, [] {
+    // ppoll and select: only the descriptor ends them, however long the timeout.
+    Pair q = make_pipe();
+    const timespec ts{kWrapsSec, 0};
+    pollfd pf{q.a, POLLIN, 0};
+    auto p = parked_call([&] { return call([&] { return ::ppoll(&pf, 1, &ts, nullptr); }); },
+                         [&] { write_str(q.b, "p"); }, 5'000ms, 200ms);
+    CHECK_MESSAGE(p.value.r == 1, "ppoll with a huge timeout gave " << p.value.r);
+    CHECK_MESSAGE(p.released, "ppoll with a huge timeout returned on its own");
+    char c;
+    REQUIRE(::read(q.a, &c, 1) == 1);
+    fd_set rd;
+    FD_ZERO(&rd);
+    FD_SET(q.a, &rd);
+    timeval tv{kWrapsSec, 0};
+    auto s = parked_call([&] { return call([&] { return ::select(q.a + 1, &rd, nullptr, nullptr, &tv); }); },
+                         [&] { write_str(q.b, "s"); }, 5'000ms, 200ms);
+    CHECK_MESSAGE(s.value.r == 1, "select with a huge timeout gave " << s.value.r);
+    CHECK_MESSAGE(s.released, "select with a huge timeout returned on its own");
+    REQUIRE(::read(q.a, &c, 1) == 1);
+    // Invalid requests: the kernel's EINVAL, at once.
+    for (const timespec bad : {timespec{-1, 0}, timespec{0, -1}, timespec{0, 1'000'000'000}}) {
+      auto b = no_park_call([&] { return call([&] { return ::nanosleep(&bad, nullptr); }); });
+      CHECK_MESSAGE((b.value.r == -1 && b.value.e == EINVAL), "nanosleep({" << bad.tv_sec << ", " << bad.tv_nsec << "})");
+      CHECK(!b.parked);
+    }
+  });
+}
+
+TEST_CASE("semantics: the kernel's own ETIMEDOUT (TCP_USER_TIMEOUT) stays ETIMEDOUT, with or without SO_SNDTIMEO") {
+  on_fiber(1, [] {
+    FullListener f = full_listener();  // its SYNs are dropped: the connect retransmits until the user timeout
+    for (const bool sndtimeo : {false, true}) {
+      Fd c(::socket(AF_INET, SOCK_STREAM, 0));
+      const unsigned uto = 100;  // ms; the kernel checks it when the first SYN retransmit is due
+      REQUIRE(::setsockopt(c, IPPROTO_TCP, TCP_USER_TIMEOUT, &uto, sizeof uto) == 0);
+      if (sndtimeo) set_timeout(c, SO_SNDTIMEO, 30'000ms);
+      auto r = parked_call([&] { return call([&] { return ::connect(c, sa(f.l.addr), sizeof f.l.addr); }); }, [] {});
+      CHECK_MESSAGE((r.value.r == -1 && r.value.e == ETIMEDOUT), "connect with TCP_USER_TIMEOUT" << (sndtimeo ? " and SO_SNDTIMEO" : "")
+                                                                  << ": " << r.value.r << " errno " << err_str(r.value.e));
+      CHECK(r.parked);
+    }
+  });
+}
+
+namespace {
+int g_close_fd = -1;
+std::atomic<int> g_close_rc{-2};
+void close_in_handler(int) { g_close_rc = ::close(g_close_fd); }
+}  // namespace
+
+TEST_CASE("semantics: close in a signal handler is the real close: no park, no wait for the descriptor's fibers") {
+  on_fiber(1, [] {
+    Pair p = make_pipe();
+    Fd keep(::dup(p.a));  // the pipe outlives the handler's close, so the reader can be ended later
+    REQUIRE(keep >= 0);
+    const int fd = p.a.release();
+    g_close_fd = fd;
+    std::atomic<bool> entering{false};
+    auto reader = fiber::spawn([&] {
+      entering = true;
+      char c;
+      return call([&] { return ::read(fd, &c, 1); });
+    });
+    while (!entering.load()) fiber::this_fiber::yield();  // one processor: the reader has parked in read
+    struct sigaction act{}, old{};
+    act.sa_handler = close_in_handler;
+    sigemptyset(&act.sa_mask);
+    REQUIRE(::sigaction(SIGUSR2, &act, &old) == 0);
+    auto r = no_park_call(
+        [] {
+          ::raise(SIGUSR2);
+          return g_close_rc.load();
+        },
+        [&] { write_str(p.b, "x"); });
+    ::sigaction(SIGUSR2, &old, nullptr);
+    CHECK_MESSAGE(!r.parked, "close in a signal handler parked the interrupted fiber");
+    CHECK(r.value == 0);
+    CHECK(::fcntl(fd, F_GETFD) == -1);  // closed
+    // The kernel's close wakes no reader: a byte ends its read (on the engine's hold of the pipe).
+    write_str(p.b, "y");
+    const Res rr = reader.join();
+    CHECK_MESSAGE((rr.r == 1 || (rr.r == -1 && rr.e == EBADF)), "the reader: " << rr.r << " errno " << err_str(rr.e));
   });
 }
 }  // TEST_SUITE("hooked")
