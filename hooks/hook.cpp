@@ -21,7 +21,8 @@
 //
 // What the hook knows of a descriptor (socket or not, non-blocking, timeouts) it learns from the
 // kernel the first time a fiber uses it, and forgets whenever a hooked call may change it
-// (fcntl, ioctl, setsockopt, close, dup2/dup3), so the kernel stays the source of truth.
+// (fcntl, ioctl, setsockopt, close, dup2/dup3), closes it out of sight (fclose) or makes a new
+// descriptor on the number (socket, open, eventfd, ...), so the kernel stays the source of truth.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -988,6 +989,56 @@ int dup3(int fd, int fd2, int flags) noexcept {
     mark_shared(fd, rc);
   }
   return rc;
+}
+
+// ---- descriptors made or closed out of the hooks' sight
+//
+// What the hook knows of a number must not outlive its descriptor: a number that glibc closed
+// internally (fclose) and that comes back as a new descriptor would be taken for the old one -
+// a non-blocking eventfd for a blocking socket, parking where the caller expects EAGAIN. So
+// fclose forgets its descriptor, and every common call that makes one forgets the number it
+// returns. (A raw syscall(2) that closes or makes descriptors is beyond any hook.)
+
+namespace {
+// open(2) and friends read a mode only when they create a file.
+bool takes_mode(int flags) noexcept { return (flags & O_CREAT) != 0 || (flags & O_TMPFILE) == O_TMPFILE; }
+int made(int fd) noexcept {
+  if (fd >= 0) forget(fd);
+  return fd;
+}
+mode_t mode_arg(int flags, va_list ap) noexcept { return takes_mode(flags) ? static_cast<mode_t>(va_arg(ap, unsigned)) : 0; }
+}  // namespace
+
+int open(const char* path, int flags, ...) {
+  va_list ap;
+  va_start(ap, flags);
+  const mode_t mode = mode_arg(flags, ap);
+  va_end(ap);
+  return made(REAL(open, SYS_open, path, flags, mode));
+}
+
+int openat(int dir, const char* path, int flags, ...) {
+  va_list ap;
+  va_start(ap, flags);
+  const mode_t mode = mode_arg(flags, ap);
+  va_end(ap);
+  return made(REAL(openat, SYS_openat, dir, path, flags, mode));
+}
+
+// On 64-bit Linux the *64 names are the same calls (O_LARGEFILE is implied).
+int open64(const char* path, int flags, ...) __attribute__((alias("open")));
+int openat64(int dir, const char* path, int flags, ...) __attribute__((alias("openat")));
+
+int eventfd(unsigned count, int flags) noexcept { return made(REAL(eventfd, SYS_eventfd2, count, flags)); }
+int timerfd_create(int clock, int flags) noexcept { return made(REAL(timerfd_create, SYS_timerfd_create, clock, flags)); }
+int epoll_create1(int flags) noexcept { return made(REAL(epoll_create1, SYS_epoll_create1, flags)); }
+int memfd_create(const char* name, unsigned flags) noexcept { return made(REAL(memfd_create, SYS_memfd_create, name, flags)); }
+int inotify_init1(int flags) noexcept { return made(REAL(inotify_init1, SYS_inotify_init1, flags)); }
+
+int fclose(FILE* f) {
+  // fileno of a FILE without a descriptor (fmemopen, fopencookie) is -1, which forget ignores.
+  if (f != nullptr) forget(::fileno(f));
+  return lazy(real_fclose, "fclose")(f);
 }
 
 // ---- signal handlers: the program's handlers run inside a trampoline that marks the thread

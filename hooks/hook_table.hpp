@@ -40,6 +40,14 @@
   X(int, setsockopt, (int fd, int level, int name, const void* val, socklen_t len),                      \
     (fd, level, name, val, len))                                                                         \
   X(int, getsockopt, (int fd, int level, int name, void* val, socklen_t* len), (fd, level, name, val, len)) \
+  X(int, open, (const char* path, int flags, mode_t mode), (path, flags, mode))                          \
+  X(int, openat, (int dir, const char* path, int flags, mode_t mode), (dir, path, flags, mode))          \
+  X(int, eventfd, (unsigned count, int flags), (count, flags))                                           \
+  X(int, timerfd_create, (int clock, int flags), (clock, flags))                                         \
+  X(int, epoll_create1, (int flags), (flags))                                                            \
+  X(int, memfd_create, (const char* name, unsigned flags), (name, flags))                                \
+  X(int, inotify_init1, (int flags), (flags))                                                            \
+  X(int, fclose, (FILE * f), (f))                                                                        \
   X(int, dup, (int fd), (fd))                                                                            \
   X(int, dup2, (int fd, int fd2), (fd, fd2))                                                             \
   X(int, dup3, (int fd, int fd2, int flags), (fd, fd2, flags))                                           \

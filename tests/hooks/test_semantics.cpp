@@ -7,12 +7,14 @@
 //   - a cancelled sleep reports EINTR; a signal handler gets the real calls;
 //   - MSG_WAITALL waits for all of it, MSG_ERRQUEUE never waits, a stream socket's sendto writes
 //     everything, select never ends early, a huge timeout is for ever, the kernel's own
-//     ETIMEDOUT stays ETIMEDOUT.
+//     ETIMEDOUT stays ETIMEDOUT;
+//   - a number fclose closed and a new descriptor took is the new descriptor.
 #include <doctest/doctest.h>
 
 #include <dirent.h>
 #include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/select.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -1012,6 +1014,42 @@ TEST_CASE("semantics: close in a signal handler is the real close: no park, no w
     write_str(p.b, "y");
     const Res rr = reader.join();
     CHECK_MESSAGE((rr.r == 1 || (rr.r == -1 && rr.e == EBADF)), "the reader: " << rr.r << " errno " << err_str(rr.e));
+  });
+}
+
+TEST_CASE("semantics: a number closed by fclose and made again (eventfd, open) is a new descriptor to the hook") {
+  // The hook learns a blocking socket on a number; glibc's fclose closes it out of the hooks'
+  // sight, and a non-blocking eventfd takes the number: a read there must be EAGAIN at once,
+  // not a park as on the blocking socket the hook knew. Likewise a file open(2) brings back.
+  on_fiber(1, [] {
+    for (const bool by_open : {false, true}) {
+      CAPTURE(by_open);
+      Pair p = make_socketpair();
+      write_str(p.b, "x");
+      char c;
+      REQUIRE(call([&] { return ::read(p.a, &c, 1); }).r == 1);  // learnt: a blocking socket
+      const int number = p.a.release();
+      FILE* f = ::fdopen(number, "r");
+      REQUIRE(f != nullptr);
+      REQUIRE(::fclose(f) == 0);
+      const int fd = by_open ? ::open("/dev/null", O_RDONLY | O_NONBLOCK | O_CLOEXEC)
+                             : ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      REQUIRE_MESSAGE(fd == number, "another thread took the number");
+      uint64_t v = 0;
+      auto r = no_park_call([&] { return call([&] { return ::read(fd, &v, sizeof v); }); },
+                            [&] {  // were it to wait, a count (or the close) ends it
+                              const uint64_t one = 1;
+                              if (!by_open) (void)::syscall(SYS_write, fd, &one, sizeof one);
+                            });
+      if (by_open) {
+        CHECK_MESSAGE(r.value.r == 0, "read of /dev/null: " << r.value.r << " errno " << err_str(r.value.e));
+      } else {
+        CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN), "read of an empty non-blocking eventfd: " << r.value.r
+                                                                   << " errno " << err_str(r.value.e));
+      }
+      CHECK_MESSAGE(!r.parked, "the read waited as on the old descriptor");
+      ::close(fd);
+    }
   });
 }
 }  // TEST_SUITE("hooked")
