@@ -663,6 +663,9 @@ void Processor::park_thread() noexcept {
     // every time, whatever maintenance() found, or we would sleep through it.
     maintenance();
     if (transition_from_parked()) return;
+    // Likewise request_shutdown's wake: stored before the wake, so once maintenance() has
+    // consumed the wake the flag is seen here; the loop's own check came before it.
+    if (shutdown_.load(std::memory_order_acquire)) break;
     const int64_t next = timers_.next_deadline();
     const int64_t now = coarse_now_ns();  // maintenance() just read the clock
     int64_t timeout = -1;
