@@ -9,9 +9,14 @@
 //     sleeper to take over the search (the work it found may have come with more).
 //   - The last searcher to park re-checks every queue before it sleeps, so work published while
 //     everyone was deciding to sleep is not stranded (no lost wakeup).
-// The counters and the pushes they pair with are sequentially consistent: a pusher publishes
-// its fiber, then reads the counters; a parker updates the counters, then re-checks the queues.
-// One of the two must see the other.
+// A pusher publishes its fiber, then reads the counters; a parker updates the counters, then
+// re-checks the queues: one of the two must see the other. For the injector (spawns and wakes
+// from other threads, overflows) all four accesses are sequentially consistent, so it does.
+// A processor's pushes onto its own ring and LIFO slot are release stores only, and may miss a
+// parker's update: no fiber is lost then, since the pusher is awake and checks its own queues
+// before it parks, but the fiber waits for it instead of running on the woken processor at once
+// - a rare loss of parallelism, traded for no fence on the spawn and wake path. The inbox
+// (push_inbox) pairs with the parker through the idle lock instead.
 //
 // The number of processors changes when the watchdog starts an extra processor (add_processor)
 // and when an idle extra retires (retire). `num_` and the unparked count only change under mu_,

@@ -19,10 +19,13 @@ namespace fiber::detail {
 
 class Injector {
  public:
-  // Cheap, racy emptiness hint. Stored under the lock; loaded with acquire so that a processor
-  // that sees len > 0 and then takes the lock finds the fibers.
-  bool empty() const noexcept { return len_.load(std::memory_order_acquire) == 0; }
-  std::size_t len() const noexcept { return len_.load(std::memory_order_acquire); }
+  // Cheap, racy emptiness hint. Stored under the lock; a processor that sees len > 0 and then
+  // takes the lock finds the fibers. Sequentially consistent, for the idle protocol (idle.hpp):
+  // a pusher stores the length and then reads the idle counts, a parker updates the counts and
+  // then reads the length, and one of the two must see the other - which store-then-load
+  // pairs guarantee only when all four are seq_cst. (On x86 the loads cost nothing extra.)
+  bool empty() const noexcept { return len_.load(std::memory_order_seq_cst) == 0; }
+  std::size_t len() const noexcept { return len_.load(std::memory_order_seq_cst); }
 
   void push(Fiber* f) noexcept { push_batch(&f, 1); }
 
@@ -36,7 +39,7 @@ class Injector {
       s.end += k;
       i += k;
     }
-    len_.store(len_.load(std::memory_order_relaxed) + n, std::memory_order_release);
+    len_.store(len_.load(std::memory_order_relaxed) + n, std::memory_order_seq_cst);  // see empty()
   }
 
   Fiber* pop() noexcept {
