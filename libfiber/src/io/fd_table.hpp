@@ -32,15 +32,12 @@ struct FdSlot {
   // descriptor closed without io::close (which clears it), which costs one wasted attempt or one
   // poll round, never data. Relaxed.
   std::atomic<bool> recv_backlog{false};
-  // A caller is between the readiness check and the call of a call that would block its thread
+  // Callers between the readiness check and the call of a call that would block its thread
   // if the descriptor were not ready (a blocking listener's accept, a tty's read: io.cpp,
-  // call_when_ready). Held for those two system calls, never across a park.
-  std::atomic<bool> ready_call{false};
-  // lseek(2) worked on this descriptor, so positional calls may go to the ring, which would
-  // take a socket's or a pipe's data instead of failing with ESPIPE (io.cpp, check_seekable).
-  // Cleared by io::close; a descriptor closed otherwise passes it on to the next one with its
-  // number (a pread there, an error anyway, would then read the stream). Relaxed.
-  std::atomic<bool> seekable{false};
+  // call_when_ready), one bit per direction. Held for those two system calls, never across a
+  // park.
+  static constexpr uint8_t kReadyCallIn = 1, kReadyCallOut = 2;
+  std::atomic<uint8_t> ready_call{0};
 };
 
 class FdTable {

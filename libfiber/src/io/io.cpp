@@ -187,17 +187,15 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
   return op.res;
 }
 
-// pread(2)/pwrite(2) fail with ESPIPE on a descriptor without a position (a socket, a pipe, a
-// tty), but the ring's READ/WRITE ignore the offset there and take or add stream data. So the
-// first positional call on a descriptor asks lseek(2), and its FdSlot remembers a yes until
-// io::close: a regular file's calls after the first cost no extra system call. 0 or -errno.
-int check_seekable(int fd) noexcept {
-  FdSlot* slot = fd_table().slot(fd);
-  if (slot != nullptr && slot->seekable.load(std::memory_order_relaxed)) return 0;
-  const off_t r = raw::lseek(fd, 0, SEEK_CUR);
-  if (r < 0) return static_cast<int>(r);  // -ESPIPE, -EBADF
-  if (slot != nullptr) slot->seekable.store(true, std::memory_order_relaxed);
-  return 0;
+// Whether a positional call on `fd` may go to the ring: 1 for a regular file or a block device;
+// 0 for anything else, whose pread(2)/pwrite(2) the kernel must answer itself (ESPIPE for a
+// socket, a pipe, a tty, an eventfd; data for /dev/zero) - the ring's READ/WRITE would ignore
+// the offset there and take or add stream data; -EBADF. Asked every call: a cached answer
+// would outlive the descriptor across dup2 or a close made elsewhere.
+int ring_positional(int fd) noexcept {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return -errno;
+  return S_ISREG(st.st_mode) || S_ISBLK(st.st_mode) ? 1 : 0;
 }
 
 // ------------------------------------------------------------------------------ readiness path
@@ -253,22 +251,33 @@ int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl) 
 
 // Calls `attempt` until it gives something other than EAGAIN, waiting for readiness between
 // tries. `ready_first`: wait before the first try (the call would block, not fail with EAGAIN).
-template <typename Attempt>
-ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool ready_first,
-                   Attempt&& attempt) noexcept {
+// `unpollable`: what to do when epoll cannot watch `fd` (a directory, some character devices).
+// poll(2) calls such a file always ready, so by default the call is made and gives its own
+// answer; a call that could block its thread there is better sent elsewhere (transfer_ready).
+template <typename Attempt, typename Unpollable>
+ssize_t ready_loop_or(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool ready_first,
+                      Attempt&& attempt, Unpollable&& unpollable) noexcept {
   for (;;) {
     if (!ready_first) {
       const ssize_t r = attempt();
       if (r != -EAGAIN && r != -EWOULDBLOCK) return r;
+      // A descriptor that stays ready while the call keeps saying EAGAIN (another caller's call
+      // in progress: call_when_ready) wakes the wait at once every time, before its timer can
+      // fire: the deadline is checked here too.
+      if (dl.expired()) return -ETIMEDOUT;
     }
     ready_first = false;
     if (const int rc = wait_ready(f, fd, events, dl); rc < 0) {
-      // epoll cannot watch this descriptor (a directory, some character devices); poll(2) calls
-      // such a file always ready, so the call does not wait: make it, and it gives its own answer.
-      if (rc == -EPERM) return attempt();
+      if (rc == -EPERM) return unpollable();
       return rc;
     }
   }
+}
+
+template <typename Attempt>
+ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool ready_first,
+                   Attempt&& attempt) noexcept {
+  return ready_loop_or(f, fd, events, dl, ready_first, attempt, attempt);
 }
 
 // Makes `call` - one that blocks the thread when `fd` is not ready for `events` and has no
@@ -284,36 +293,38 @@ ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& 
 template <typename Call>
 ssize_t call_when_ready(int fd, short events, Call&& call) noexcept {
   FdSlot* slot = fd_table().slot(fd);
-  if (slot != nullptr && slot->ready_call.exchange(true, std::memory_order_acquire)) return -EAGAIN;
+  // Reads and writes each have their own: a write blocked for room must not hold up a read.
+  const uint8_t bit = events == POLLOUT ? FdSlot::kReadyCallOut : FdSlot::kReadyCallIn;
+  if (slot != nullptr && (slot->ready_call.fetch_or(bit, std::memory_order_acquire) & bit) != 0) return -EAGAIN;
   pollfd p{fd, events, 0};
   const int rc = raw::poll_now(&p, 1);
   const ssize_t r = rc > 0 ? call() : (rc == 0 ? -EAGAIN : rc);  // ERR/HUP/NVAL: the call says what
-  if (slot != nullptr) slot->ready_call.store(false, std::memory_order_release);
+  if (slot != nullptr) slot->ready_call.fetch_and(static_cast<uint8_t>(~bit), std::memory_order_release);
   return r;
 }
 
-// A call the epoll engine cannot wait for (a regular file, a tty's write): on the
-// blocking-offload pool while the fiber parks. The op stays listed on its descriptor while the
-// job is queued or running, so io::close waits for it; a job that has not started when the close
-// begins skips its call and gives -EBADF (a queued write must not land in the file that gets the
-// number next).
+// A call the epoll engine cannot wait for (a regular file, a tty's write, a device epoll cannot
+// watch): on the blocking-offload pool while the fiber parks. The job gets its own descriptor
+// for the file, duplicated here, as a thread blocked in the call holds the file it was given:
+// if `fd` is closed (and its number taken by another file) while the job is queued or running,
+// the call still reaches this file, never the next one, and io::close does not wait for it (a
+// wait that a blocked tty write, or a close made on the pool itself, could make endless).
+// `call(d)` makes the call on descriptor d. Out of descriptors, the job uses `fd` itself.
 template <typename Call>
 ssize_t offload(int fd, Call&& call) noexcept {
-  IoOp op;
-  op.pooled = true;
-  FdGuard guard(fd, &op);
-  if (!guard.ok()) return -EBADF;
+  const int own = raw::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own == -EBADF) return own;
+  const int use = own >= 0 ? own : fd;
+  ssize_t r;
   try {
-    return fiber::blocking([&]() noexcept -> ssize_t {
-      // Set under the slot's lock; a job that misses it still runs before the real close.
-      if (op.closed.load(std::memory_order_relaxed)) return -EBADF;
-      return call();
-    });
+    r = fiber::blocking([&]() noexcept -> ssize_t { return call(use); });
   } catch (const fiber::Cancelled&) {
-    return -ECANCELED;
+    r = -ECANCELED;
   } catch (...) {
-    return -ENOMEM;  // no helper thread could be started
+    r = -ENOMEM;  // no helper thread could be started
   }
+  if (own >= 0) raw::close(own);
+  return r;
 }
 
 enum class FdKind { Socket, File, Other, Bad };
@@ -332,28 +343,34 @@ bool is_nonblocking(int fd) noexcept {
 }
 
 // The readiness path of a transfer: `sock` is the socket form (MSG_DONTWAIT, never blocks),
-// `plain` the call for other descriptors (made once the descriptor is ready, or directly for
-// regular files, which are always ready), `nowait` its RWF_NOWAIT form (-EAGAIN rather than
-// blocking, where the file supports it: pipes and FIFOs; else -EOPNOTSUPP).
+// `plain(d)` the call for other descriptors on descriptor d (made once the descriptor is ready,
+// or directly for regular files, which are always ready), `nowait` its RWF_NOWAIT form (-EAGAIN
+// rather than blocking, where the file supports it: pipes and FIFOs; else -EOPNOTSUPP).
 template <typename Sock, typename Plain, typename NoWait>
 ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, Sock&& sock, Plain&& plain,
                        NoWait&& nowait) noexcept {
   switch (classify(fd)) {
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
-    case FdKind::File: return f ? offload(fd, plain) : plain();
+    case FdKind::File: return f ? offload(fd, plain) : plain(fd);
     case FdKind::Other: {
-      if (is_nonblocking(fd)) return ready_loop(f, fd, events, dl, false, plain);
+      const auto here = [&] { return plain(fd); };
+      if (is_nonblocking(fd)) return ready_loop(f, fd, events, dl, false, here);
       // Blocking: readiness does not make the plain call safe (a pipe write waits for room for
       // all of it, stalling the processor or outliving the deadline). Try without blocking.
       const ssize_t r = nowait();
       if (r == -EOPNOTSUPP) {
         // No RWF_NOWAIT here (a tty, a character device): a fiber's write goes to the pool (a
         // tty may take part of a write and block for the rest); a read, or a plain thread's
-        // write, is made once the descriptor is ready (call_when_ready).
+        // write, is made once the descriptor is ready (call_when_ready) - or, on a device epoll
+        // cannot watch (which poll(2) calls always ready, though a read may block), a fiber's
+        // on the pool too.
         if (f != nullptr && events == EPOLLOUT) return offload(fd, plain);
         const short pev = events == EPOLLOUT ? POLLOUT : POLLIN;
-        return ready_loop(f, fd, events, dl, false, [&] { return call_when_ready(fd, pev, plain); });
+        // Waits first: a device epoll cannot watch must be found out before any call.
+        return ready_loop_or(
+            f, fd, events, dl, true, [&] { return call_when_ready(fd, pev, here); },
+            [&] { return f != nullptr ? offload(fd, plain) : here(); });
       }
       if (r != -EAGAIN) return r;
       return ready_loop(f, fd, events, dl, true, nowait);
@@ -464,7 +481,7 @@ ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
     case Path::Ready: {
       msghdr m = detail::iov_msg(iov, iovcnt);
       return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); }, [&] { return raw::readv(fd, iov, iovcnt); },
+          f, fd, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); }, [&](int d) { return raw::readv(d, iov, iovcnt); },
           [&] { return raw::preadv2(fd, iov, iovcnt, RWF_NOWAIT); });
     }
     case Path::Thread: break;
@@ -490,7 +507,7 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
     case Path::Ready:
       return detail::transfer_ready(
           f, fd, EPOLLOUT, dl, [&] { return raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL); },
-          [&] { return raw::writev(fd, iov, iovcnt); }, [&] { return raw::pwritev2(fd, iov, iovcnt, RWF_NOWAIT); });
+          [&](int d) { return raw::writev(d, iov, iovcnt); }, [&] { return raw::pwritev2(fd, iov, iovcnt, RWF_NOWAIT); });
     case Path::Thread: break;
   }
   const ssize_t r = raw::sendmsg(fd, &m, MSG_NOSIGNAL);
@@ -503,10 +520,11 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    if (const int rc = detail::check_seekable(fd)) return rc;
-    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
+    const int on_ring = detail::ring_positional(fd);
+    if (on_ring < 0) return on_ring;
+    if (on_ring) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
-  if (f != nullptr) return detail::offload(fd, [&] { return raw::pread(fd, buf, n, off); });
+  if (f != nullptr) return detail::offload(fd, [&](int d) { return raw::pread(d, buf, n, off); });
   return raw::pread(fd, buf, n, off);
 }
 
@@ -516,10 +534,11 @@ ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexce
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    if (const int rc = detail::check_seekable(fd)) return rc;
-    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
+    const int on_ring = detail::ring_positional(fd);
+    if (on_ring < 0) return on_ring;
+    if (on_ring) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
-  if (f != nullptr) return detail::offload(fd, [&] { return raw::pwrite(fd, buf, n, off); });
+  if (f != nullptr) return detail::offload(fd, [&](int d) { return raw::pwrite(d, buf, n, off); });
   return raw::pwrite(fd, buf, n, off);
 }
 
@@ -683,7 +702,7 @@ int close(int fd) noexcept {
     // Wake every fiber still waiting on it; each withdraws its operation and unlists itself.
     for (detail::IoOp* op = slot->ops; op; op = op->slot_next) {
       op->closed.store(true, std::memory_order_relaxed);
-      if (!op->pooled) detail::waiter_notify(op->w, detail::WakeReason::Cancelled);
+      detail::waiter_notify(op->w, detail::WakeReason::Cancelled);
     }
     while (slot->ops != nullptr) {
       detail::Waiter w;
@@ -701,7 +720,6 @@ int close(int fd) noexcept {
     slot->closing = false;
     // The number's next descriptor starts afresh.
     slot->recv_backlog.store(false, std::memory_order_relaxed);
-    slot->seekable.store(false, std::memory_order_relaxed);
     return rc;
   }
 }

@@ -42,9 +42,6 @@ struct IoOp {
   std::atomic<bool> done{false};
   bool settling = false;  // home thread only: the fiber waits on `settle` rather than `w`
   std::atomic<bool> closed{false};  // set by io::close (under the fd slot's lock) before it claims `w`
-  // A call run on the blocking-offload pool: its fiber waits for the job, not on `w`, so
-  // io::close only sets `closed` (a job not started yet then skips its call) and waits.
-  bool pooled = false;
   // epoll: the descriptor and readiness it waits for, and its link among that fd's waiters.
   int fd = -1;
   uint32_t events = 0;
