@@ -354,8 +354,7 @@ bool wait_all(int flags) noexcept {
 // kernel's call waits for all of it, but only when it may wait at all, and our first try carried
 // MSG_DONTWAIT. So the rest comes part by part until all of it, end of file, an error or the
 // receive deadline; after some data those give the count, as the kernel's call does. `ctl` is the
-// control buffer's size: each part's ancillary data goes after the last's, none is lost. The
-// address is the first part's.
+// control buffer's size. A part with ancillary data is the last. The address is the first part's.
 ssize_t recv_rest(int fd, msghdr& m, int flags, size_t done, size_t ctl, const fiber::io::Deadline& d) noexcept {
   const size_t total = iov_total(m);
   size_t used = done > 0 ? m.msg_controllen : 0;
@@ -363,6 +362,11 @@ ssize_t recv_rest(int fd, msghdr& m, int flags, size_t done, size_t ctl, const f
   std::vector<iovec> rest;
   msghdr part;
   while (done < total) {
+    // Data that came with ancillary data (passed descriptors, credentials, TCP_INQ) or stopped
+    // at a mark (MSG_OOB) or with a truncated control buffer ends the receive, as the kernel's
+    // AF_UNIX receive stops after passed descriptors: going on would give the next part's
+    // ancillary data what room is left, or none - descriptors the kernel then closes.
+    if (done > 0 && (used > 0 || (got & (MSG_CTRUNC | MSG_OOB)) != 0)) break;
     if (!advance(m, done, rest, part)) {
       if (done > 0) break;
       set_errno(ENOMEM);
@@ -470,7 +474,8 @@ int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
 int accept(int fd, struct sockaddr* addr, socklen_t* len) { return accept4(fd, addr, len, 0); }
 
 ssize_t read(int fd, void* buf, size_t n) {
-  if (may_park()) {
+  // A length beyond SSIZE_MAX is the real call's EFAULT; recvfrom, our first try, would clamp it.
+  if (may_park() && n <= SSIZE_MAX) {
     const ssize_t r = park_read(
         fd, [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, MSG_DONTWAIT, nullptr, nullptr); },
         [&](fiber::io::Deadline d) { return fiber::io::read(fd, buf, n, d); });
@@ -562,6 +567,12 @@ ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
   if (!(f & kKnown) || (f & kNonblock)) return -2;
   size_t done = 0;
   if (!(f & kSocket)) {  // pipes, files: a blocking write(2) writes everything too
+    // ... except that a regular file's stops short at a limit (RLIMIT_FSIZE, a full disk): one
+    // call, whose short count the caller sees, as from the kernel's (a second would raise SIGXFSZ).
+    if (f & kSeekable) {
+      const ssize_t w = wait(0, deadline_of(0));
+      return w < 0 ? finish(w) : w;
+    }
     while (done < total) {
       const ssize_t w = wait(done, deadline_of(0));
       if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w);
@@ -588,7 +599,9 @@ ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
 extern "C" {
 
 ssize_t write(int fd, const void* buf, size_t n) {
-  if (may_park()) {
+  // A length beyond SSIZE_MAX is the real call's EFAULT; sendto, our first try, would clamp it
+  // and send what lies past the caller's buffer.
+  if (may_park() && n <= SSIZE_MAX) {
     const char* p = static_cast<const char*>(buf);
     const ssize_t r = park_write(
         fd, n, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, MSG_DONTWAIT, nullptr, 0); },
@@ -702,6 +715,7 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
       if (!(f & kSocket)) {
         const ssize_t r = fiber::io::writev(fd, iov, cnt);
         if (r < 0) return finish(r);
+        if (f & kSeekable) return r;  // a regular file: one call (park_write)
         return send_rest(fd, m, 0, static_cast<size_t>(r), fiber::io::Deadline(), false);
       }
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, &m, MSG_DONTWAIT);

@@ -15,6 +15,7 @@
 #include <netinet/tcp.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/select.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -1050,6 +1051,94 @@ TEST_CASE("semantics: a number closed by fclose and made again (eventfd, open) i
       CHECK_MESSAGE(!r.parked, "the read waited as on the old descriptor");
       ::close(fd);
     }
+  });
+}
+
+namespace {
+void send_with_fd(int sock, const char* data, size_t n, int fd) {
+  iovec iov{const_cast<char*>(data), n};
+  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = cbuf;
+  m.msg_controllen = sizeof cbuf;
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  REQUIRE(::syscall(SYS_sendmsg, sock, &m, 0) == static_cast<long>(n));
+}
+int fds_in(msghdr& m) {
+  int n = 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+      ::close(fd);
+      ++n;
+    }
+  }
+  return n;
+}
+}  // namespace
+
+TEST_CASE("semantics: MSG_WAITALL ends with data that carried descriptors, as the kernel's; none is lost") {
+  // Two 8-byte messages, each with a descriptor, and room for 16 bytes but one descriptor: the
+  // kernel's receive stops after the first 8 (its descriptor), and the second comes with the next
+  // call. Reading on would leave the second descriptor no room (MSG_CTRUNC: the kernel closes it),
+  // or park for data a peer waiting for a reply never sends.
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    Fd a(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    Fd b(::open("/dev/zero", O_RDONLY | O_CLOEXEC));
+    send_with_fd(p.b, "AAAAAAAA", 8, a);
+    send_with_fd(p.b, "BBBBBBBB", 8, b);
+    char buf[16];
+    iovec iov{buf, sizeof buf};
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))];
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = cbuf;
+    m.msg_controllen = sizeof cbuf;
+    const Res r = call([&] { return ::recvmsg(p.a, &m, MSG_WAITALL); });
+    CHECK_MESSAGE(r.r == 8, "recvmsg(MSG_WAITALL) gave " << r.r << " errno " << err_str(r.e));
+    CHECK((m.msg_flags & MSG_CTRUNC) == 0);
+    CHECK(fds_in(m) == 1);
+    m.msg_controllen = sizeof cbuf;
+    m.msg_flags = 0;
+    const Res r2 = call([&] { return ::recvmsg(p.a, &m, MSG_WAITALL); });
+    CHECK_MESSAGE(r2.r == 8, "the second recvmsg gave " << r2.r << " errno " << err_str(r2.e));
+    CHECK_MESSAGE(fds_in(m) == 1, "the second descriptor was lost");
+  });
+}
+
+TEST_CASE("semantics: a blocking write past RLIMIT_FSIZE returns the short count, as the kernel's, with no SIGXFSZ") {
+  on_fiber(1, [] {
+    static std::atomic<int> signals{0};
+    struct sigaction sa {}, old_sa {};
+    sa.sa_handler = [](int) { signals.fetch_add(1); };
+    REQUIRE(::sigaction(SIGXFSZ, &sa, &old_sa) == 0);
+    rlimit old_lim{};
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &old_lim) == 0);
+    char path[] = "/tmp/fiber_hook_fsize_XXXXXX";
+    Fd file(::mkstemp(path));
+    REQUIRE(file.get() >= 0);
+    ::unlink(path);
+    const rlimit lim{10, old_lim.rlim_max};
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &lim) == 0);
+    const Res w = call([&] { return ::write(file, "01234567890123456789", 20); });
+    iovec iov[2] = {{const_cast<char*>("0123456789"), 10}, {const_cast<char*>("abcdefghij"), 10}};
+    REQUIRE(::ftruncate(file, 0) == 0);
+    REQUIRE(::lseek(file, 0, SEEK_SET) == 0);
+    const Res wv = call([&] { return ::writev(file, iov, 2); });
+    ::setrlimit(RLIMIT_FSIZE, &old_lim);
+    ::sigaction(SIGXFSZ, &old_sa, nullptr);
+    CHECK_MESSAGE(w.r == 10, "write gave " << w.r << " errno " << err_str(w.e));
+    CHECK_MESSAGE(wv.r == 10, "writev gave " << wv.r << " errno " << err_str(wv.e));
+    CHECK_MESSAGE(signals.load() == 0, "a second write past the limit raised SIGXFSZ");
   });
 }
 }  // TEST_SUITE("hooked")
