@@ -1653,6 +1653,50 @@ TEST_CASE("io: on descriptors epoll cannot watch (a directory, /dev/null, /dev/z
   SUBCASE("plain thread") { run_on_thread(body); }
 }
 
+TEST_CASE("io: poll on a file the engine cannot watch waits out its deadline for events it will never have") {
+  // poll(2) calls a regular file ready for input and output, always, and for nothing else.
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        char path[] = "/tmp/fiber_test_io_XXXXXX";
+        Fd file(::mkstemp(path));
+        REQUIRE(file.get() >= 0);
+        ::unlink(path);
+        auto h = fiber::spawn({.scheduler = &s}, [&] {
+          CHECK((io::poll(file.get(), POLLIN | POLLOUT, patience()) & (POLLIN | POLLOUT)) == (POLLIN | POLLOUT));
+          CHECK(io::poll(file.get(), POLLPRI, 20ms) == -ETIMEDOUT);
+        });
+        h.join();
+        // With no deadline, only a cancel ends it.
+        std::atomic<int> started{0};
+        auto forever = fiber::spawn({.scheduler = &s}, [&] {
+          started = 1;
+          return io::poll(file.get(), POLLPRI);
+        });
+        let_it_park(started);
+        forever.cancel();
+        CHECK(forever.join() == -ECANCELED);
+      },
+      {1, 2});
+}
+
+TEST_CASE("io: poll woken by a hang-up reports the events asked for, plus POLLHUP/POLLERR, and no others") {
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        SocketPair p = tcp_pair();
+        std::atomic<int> started{0};
+        auto poller = fiber::spawn({.scheduler = &s}, [&] {
+          started = 1;
+          return io::poll(p.a.get(), POLLIN, patience());
+        });
+        let_it_park(started);
+        REQUIRE(::shutdown(p.b.get(), SHUT_WR) == 0);  // readable (end of stream), and RDHUP
+        const int r = poller.join();
+        CHECK((r & POLLIN) != 0);
+        CHECK_MESSAGE((r & ~(POLLIN | POLLERR | POLLHUP | POLLNVAL)) == 0, "revents " << r);
+      },
+      {1, 2});
+}
+
 TEST_CASE("io: poll reports only what is ready: ordinary data does not end a wait for POLLRDHUP") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     SocketPair p = tcp_pair();

@@ -280,6 +280,19 @@ ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& 
   return ready_loop_or(f, fd, events, dl, ready_first, attempt, attempt);
 }
 
+// io::poll on a descriptor the engine cannot watch (a regular file, /dev/null: epoll says EPERM,
+// the ring EINVAL), which poll(2) calls ready for input and output, always, and for nothing else:
+// a poll that found none of its events there never will, and waits out its deadline (or a
+// cancel), as poll(2) does. A fiber's only (a plain thread polls with ppoll). -ETIMEDOUT or
+// -ECANCELED.
+int wait_unpollable(const Fiber* f, const io::Deadline& dl) noexcept {
+  if (f == nullptr) return -ETIMEDOUT;
+  Waiter w;
+  waiter_prepare(w);
+  const WakeReason r = dl.is_none() ? waiter_wait(w, ParkReason::IO) : waiter_wait_until(w, ParkReason::IO, dl.at());
+  return r == WakeReason::Cancelled ? -ECANCELED : -ETIMEDOUT;
+}
+
 // Makes `call` - one that blocks the thread when `fd` is not ready for `events` and has no
 // non-blocking form (accept4 on a blocking listener, a read of a tty; setting O_NONBLOCK for it
 // would show in everyone's F_GETFL) - only when a zero-timeout poll says `fd` is ready; -EAGAIN
@@ -662,9 +675,12 @@ int poll(int fd, short events, Deadline dl) noexcept {
   }
   if (const int rc = raw::poll_now(&p, 1); rc != 0) return rc < 0 ? rc : p.revents;  // ready now
   if (detail::path_of(f, dl) == Path::Uring) {
-    return static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) {
+    const int rc = static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) {
       io_uring_prep_poll_add(s, fd, static_cast<unsigned>(static_cast<unsigned short>(events)));
     }));
+    if (rc == -EINVAL) return detail::wait_unpollable(f, dl);  // the arguments were fine for poll_now
+    // The ring reports the whole mask (POLLRDHUP with POLLIN, say): only what poll(2) would.
+    return rc > 0 ? rc & (static_cast<unsigned short>(events) | POLLERR | POLLHUP | POLLNVAL) : rc;
   }
   if (f == nullptr) {  // a plain thread with a deadline: ppoll until then
     for (;;) {
@@ -683,7 +699,9 @@ int poll(int fd, short events, Deadline dl) noexcept {
                                 EPOLLWRBAND | EPOLLMSG | EPOLLRDHUP;
   const uint32_t want = static_cast<uint32_t>(static_cast<unsigned short>(events)) & kAskable;
   for (;;) {
-    if (const int rc = detail::wait_ready(f, fd, want, dl); rc < 0) return rc;
+    if (const int rc = detail::wait_ready(f, fd, want, dl); rc < 0) {
+      return rc == -EPERM ? detail::wait_unpollable(f, dl) : rc;
+    }
     const int rc = raw::poll_now(&p, 1);  // what exactly is ready
     if (rc != 0) return rc < 0 ? rc : p.revents;
     // Ready when the engine looked, not any more (another fiber took the data): wait again,
