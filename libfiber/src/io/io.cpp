@@ -187,17 +187,6 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
   return op.res;
 }
 
-// Whether a positional call on `fd` may go to the ring: 1 for a regular file or a block device;
-// 0 for anything else, whose pread(2)/pwrite(2) the kernel must answer itself (ESPIPE for a
-// socket, a pipe, a tty, an eventfd; data for /dev/zero) - the ring's READ/WRITE would ignore
-// the offset there and take or add stream data; -EBADF. Asked every call: a cached answer
-// would outlive the descriptor across dup2 or a close made elsewhere.
-int ring_positional(int fd) noexcept {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return -errno;
-  return S_ISREG(st.st_mode) || S_ISBLK(st.st_mode) ? 1 : 0;
-}
-
 // ------------------------------------------------------------------------------ readiness path
 
 // epoll engine: parks until `fd` is ready for `events`. 0, or -errno.
@@ -533,9 +522,12 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    const int on_ring = detail::ring_positional(fd);
-    if (on_ring < 0) return on_ring;
-    if (on_ring) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
+    // The ring's READ/WRITE ignore the offset on a descriptor without a position (a socket, a
+    // pipe, an eventfd) and take or add stream data: only regular files and block devices go
+    // there; the rest get the kernel's own answer (ESPIPE, or /dev/zero's data) below.
+    const detail::FdKind kind = detail::classify(fd);
+    if (kind == detail::FdKind::Bad) return -EBADF;
+    if (kind == detail::FdKind::File) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
   if (f != nullptr) return detail::offload(fd, [&](int d) { return raw::pread(d, buf, n, off); });
   return raw::pread(fd, buf, n, off);
@@ -547,9 +539,12 @@ ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexce
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    const int on_ring = detail::ring_positional(fd);
-    if (on_ring < 0) return on_ring;
-    if (on_ring) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
+    // The ring's READ/WRITE ignore the offset on a descriptor without a position (a socket, a
+    // pipe, an eventfd) and take or add stream data: only regular files and block devices go
+    // there; the rest get the kernel's own answer (ESPIPE, or /dev/zero's data) below.
+    const detail::FdKind kind = detail::classify(fd);
+    if (kind == detail::FdKind::Bad) return -EBADF;
+    if (kind == detail::FdKind::File) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
   if (f != nullptr) return detail::offload(fd, [&](int d) { return raw::pwrite(d, buf, n, off); });
   return raw::pwrite(fd, buf, n, off);

@@ -76,7 +76,6 @@ inline int poll_now(pollfd* fds, nfds_t n) noexcept {
   const timespec zero{0, 0};
   return ppoll(fds, n, &zero);
 }
-inline off_t lseek(int fd, off_t off, int whence) noexcept { return ret(::syscall(SYS_lseek, fd, off, whence)); }
 inline int fcntl(int fd, int cmd, long arg = 0) noexcept { return static_cast<int>(ret(::syscall(SYS_fcntl, fd, cmd, arg))); }
 
 }  // namespace fiber::detail::raw
