@@ -21,8 +21,10 @@
 //
 // What the hook knows of a descriptor (socket or not, non-blocking, timeouts) it learns from the
 // kernel the first time a fiber uses it, and forgets whenever a hooked call may change it
-// (fcntl, ioctl, setsockopt, close, dup2/dup3), closes it out of sight (fclose) or makes a new
-// descriptor on the number (socket, open, eventfd, ...), so the kernel stays the source of truth.
+// (fcntl, ioctl, setsockopt, close, dup2/dup3), closes it inside glibc (fclose, closedir,
+// close_range, ...) or makes a new descriptor on the number (socket, open, eventfd, SCM_RIGHTS,
+// ...), so the kernel stays the source of truth.
+#include <dirent.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -31,6 +33,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/select.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -46,6 +49,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include <fiber/blocking.hpp>
@@ -104,6 +108,18 @@ template <typename Fn>
 Fn lazy(Fn& slot, const char* name) noexcept {
   if (slot == nullptr) slot = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
   return slot;
+}
+
+// A function a libc may lack, looked up (once found, kept in `slot`) when first called; null if
+// this libc has none.
+template <typename Fn>
+Fn optional_next(std::atomic<void*>& slot, const char* name) noexcept {
+  void* fn = slot.load(std::memory_order_relaxed);
+  if (fn == nullptr) {
+    fn = dlsym(RTLD_NEXT, name);
+    slot.store(fn, std::memory_order_relaxed);
+  }
+  return reinterpret_cast<Fn>(fn);
 }
 
 // The real call: the resolved function, or the system call itself before resolution.
@@ -234,6 +250,38 @@ void changed(int fd) noexcept {
 void mark_shared(int a, int b) noexcept {
   if (FdInfo* i = info(a)) i->shared.store(1, std::memory_order_relaxed);
   if (FdInfo* i = info(b)) i->shared.store(1, std::memory_order_relaxed);
+}
+
+// Every number in [first, last] that the hook knows of (close_range, closefrom). Only chunks that
+// exist hold anything to forget.
+void forget_range(unsigned first, unsigned last) noexcept {
+  constexpr unsigned kEnd = static_cast<unsigned>(kChunks) << kChunkBits;
+  if (first >= kEnd) return;
+  if (last >= kEnd) last = kEnd - 1;
+  for (unsigned fd = first; fd <= last;) {
+    FdInfo* c = g_chunks[fd >> kChunkBits].load(std::memory_order_acquire);
+    const unsigned chunk_end = ((fd >> kChunkBits) + 1) << kChunkBits;  // first number of the next chunk
+    if (c == nullptr) {
+      fd = chunk_end;
+      continue;
+    }
+    for (; fd <= last && fd < chunk_end; ++fd) forget(static_cast<int>(fd));
+  }
+}
+
+// The descriptors passed in SCM_RIGHTS messages of a received `m`: new numbers, made by the
+// kernel out of the hooks' sight.
+void forget_passed(msghdr& m) noexcept {
+  if (m.msg_control == nullptr) return;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0)) continue;
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t k = 0; k < n; ++k) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
+      forget(fd);
+    }
+  }
 }
 
 // A wait this long (~146 years) is for ever; it still adds to a clock reading without overflow.
@@ -527,14 +575,16 @@ ssize_t recv(int fd, void* buf, size_t n, int flags) {
 }
 
 ssize_t recvmsg(int fd, struct msghdr* msg, int flags) {
+  ssize_t r = -2;
   if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
     auto now = [&] { return REAL(recvmsg, SYS_recvmsg, fd, msg, flags | MSG_DONTWAIT); };
     auto wait = [&](fiber::io::Deadline d) { return fiber::io::recvmsg(fd, msg, flags & ~MSG_WAITALL, d); };
     // A null msg is the real call's EFAULT (through park_read's first try).
-    const ssize_t r = wait_all(flags) && msg != nullptr ? park_read_all(fd, *msg, flags, now, wait) : park_read(fd, now, wait);
-    if (r != -2) return r;
+    r = wait_all(flags) && msg != nullptr ? park_read_all(fd, *msg, flags, now, wait) : park_read(fd, now, wait);
   }
-  return REAL(recvmsg, SYS_recvmsg, fd, msg, flags);
+  if (r == -2) r = REAL(recvmsg, SYS_recvmsg, fd, msg, flags);
+  if (r >= 0 && msg != nullptr) forget_passed(*msg);
+  return r;
 }
 
 ssize_t recvfrom(int fd, void* buf, size_t n, int flags, struct sockaddr* addr, socklen_t* len) {
@@ -1010,12 +1060,19 @@ int dup3(int fd, int fd2, int flags) noexcept {
 // What the hook knows of a number must not outlive its descriptor: a number that glibc closed
 // internally (fclose) and that comes back as a new descriptor would be taken for the old one -
 // a non-blocking eventfd for a blocking socket, parking where the caller expects EAGAIN. So
-// fclose forgets its descriptor, and every common call that makes one forgets the number it
-// returns. (A raw syscall(2) that closes or makes descriptors is beyond any hook.)
+// every call that closes one inside glibc forgets its number, and every common call that makes
+// one forgets the number it returns. (A raw syscall(2) that closes or makes descriptors is beyond
+// any hook.)
 
 namespace {
 // open(2) and friends read a mode only when they create a file.
 bool takes_mode(int flags) noexcept { return (flags & O_CREAT) != 0 || (flags & O_TMPFILE) == O_TMPFILE; }
+// p != nullptr for a parameter glibc declares nonnull (closedir's), which the compiler would
+// otherwise take as proven.
+bool given(const void* p) noexcept {
+  asm("" : "+r"(p));
+  return p != nullptr;
+}
 int made(int fd) noexcept {
   if (fd >= 0) forget(fd);
   return fd;
@@ -1049,10 +1106,67 @@ int epoll_create1(int flags) noexcept { return made(REAL(epoll_create1, SYS_epol
 int memfd_create(const char* name, unsigned flags) noexcept { return made(REAL(memfd_create, SYS_memfd_create, name, flags)); }
 int inotify_init1(int flags) noexcept { return made(REAL(inotify_init1, SYS_inotify_init1, flags)); }
 
+int creat(const char* path, mode_t mode) { return made(REAL(creat, SYS_creat, path, mode)); }
+int creat64(const char* path, mode_t mode) __attribute__((alias("creat")));
+int epoll_create(int size) noexcept { return made(REAL(epoll_create, SYS_epoll_create, size)); }
+int inotify_init() noexcept {
+  return made(real_inotify_init ? real_inotify_init() : static_cast<int>(::syscall(SYS_inotify_init)));
+}
+int signalfd(int fd, const sigset_t* mask, int flags) noexcept {
+  return made(real_signalfd ? real_signalfd(fd, mask, flags)
+                            : static_cast<int>(::syscall(SYS_signalfd4, fd, mask, _NSIG / 8, flags)));
+}
+// The fortified open(2)s (-D_FORTIFY_SOURCE) open through glibc's internal calls.
+int __open_2(const char* path, int flags) { return made(lazy(real___open_2, "__open_2")(path, flags)); }
+int __open64_2(const char* path, int flags) __attribute__((alias("__open_2")));
+int __openat_2(int dir, const char* path, int flags) { return made(lazy(real___openat_2, "__openat_2")(dir, path, flags)); }
+int __openat64_2(int dir, const char* path, int flags) __attribute__((alias("__openat_2")));
+
+// The closes glibc makes internally: each forgets the number first (the stream or directory is
+// gone after). freopen may bring a new descriptor back on it, or on another number.
 int fclose(FILE* f) {
   // fileno of a FILE without a descriptor (fmemopen, fopencookie) is -1, which forget ignores.
   if (f != nullptr) forget(::fileno(f));
   return lazy(real_fclose, "fclose")(f);
+}
+
+int pclose(FILE* f) {
+  if (f != nullptr) forget(::fileno(f));
+  return lazy(real_pclose, "pclose")(f);
+}
+
+FILE* freopen(const char* path, const char* mode, FILE* f) {
+  if (f != nullptr) forget(::fileno(f));
+  FILE* r = lazy(real_freopen, "freopen")(path, mode, f);
+  if (r != nullptr) forget(::fileno(r));
+  return r;
+}
+FILE* freopen64(const char* path, const char* mode, FILE* f) __attribute__((alias("freopen")));
+
+int closedir(DIR* d) {
+  if (given(d)) forget(::dirfd(d));
+  return lazy(real_closedir, "closedir")(d);
+}
+
+// close_range and closefrom (glibc 2.34, Linux 5.9) are looked up when first called, so the hook
+// still loads on an older glibc. The numbers are forgotten after the call: a learning racing it
+// would otherwise keep what it learned of a descriptor the call then closed.
+int close_range(unsigned first, unsigned last, int flags) noexcept {
+  static std::atomic<void*> slot{nullptr};
+  auto* real = optional_next<int (*)(unsigned, unsigned, int)>(slot, "close_range");
+  const int rc = real != nullptr ? real(first, last, flags) : static_cast<int>(::syscall(SYS_close_range, first, last, flags));
+  if (rc == 0 && !(flags & CLOSE_RANGE_CLOEXEC)) forget_range(first, last);
+  return rc;
+}
+
+void closefrom(int low) noexcept {
+  static std::atomic<void*> slot{nullptr};
+  if (auto* real = optional_next<void (*)(int)>(slot, "closefrom")) {
+    real(low);
+  } else {
+    (void)::syscall(SYS_close_range, static_cast<unsigned>(low), ~0U, 0);
+  }
+  if (low >= 0) forget_range(static_cast<unsigned>(low), ~0U);
 }
 
 // ---- signal handlers: the program's handlers run inside a trampoline that marks the thread

@@ -48,6 +48,15 @@
   X(int, memfd_create, (const char* name, unsigned flags), (name, flags))                                \
   X(int, inotify_init1, (int flags), (flags))                                                            \
   X(int, fclose, (FILE * f), (f))                                                                        \
+  X(int, pclose, (FILE * f), (f))                                                                        \
+  X(FILE*, freopen, (const char* path, const char* mode, FILE* f), (path, mode, f))                      \
+  X(int, closedir, (DIR * d), (d))                                                                       \
+  X(int, creat, (const char* path, mode_t mode), (path, mode))                                           \
+  X(int, epoll_create, (int size), (size))                                                               \
+  X(int, inotify_init, (void), ())                                                                       \
+  X(int, signalfd, (int fd, const sigset_t* mask, int flags), (fd, mask, flags))                          \
+  X(int, __open_2, (const char* path, int flags), (path, flags))                                         \
+  X(int, __openat_2, (int dir, const char* path, int flags), (dir, path, flags))                         \
   X(int, dup, (int fd), (fd))                                                                            \
   X(int, dup2, (int fd, int fd2), (fd, fd2))                                                             \
   X(int, dup3, (int fd, int fd2, int flags), (fd, fd2, flags))                                           \

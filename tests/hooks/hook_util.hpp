@@ -26,7 +26,9 @@
 #include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -187,6 +189,41 @@ inline Listener tcp_listener(int backlog = 128, int type_flags = 0) {
   REQUIRE(::getsockname(l.fd, reinterpret_cast<sockaddr*>(&l.addr), &len) == 0);
   REQUIRE(::listen(l.fd, backlog) == 0);
   return l;
+}
+
+// A message of data (`iov`) with room for one descriptor in its SCM_RIGHTS control buffer.
+struct FdMessage {
+  iovec iov;
+  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m{};
+  FdMessage(void* data, size_t n) : iov{data, n} {
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = cbuf;
+    m.msg_controllen = sizeof cbuf;
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+  // The descriptor a received message carried, or -1.
+  int passed() {
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    if (c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) return -1;
+    int fd;
+    std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    return fd;
+  }
+};
+
+// Sends `n` bytes of `data` with descriptor `fd` in an SCM_RIGHTS message, by a raw sendmsg (no
+// hook on the way).
+inline void send_with_fd(int sock, const char* data, size_t n, int fd) {
+  FdMessage msg(const_cast<char*>(data), n);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg.m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  REQUIRE(::syscall(SYS_sendmsg, sock, &msg.m, 0) == static_cast<long>(n));
 }
 
 // A loopback address nobody listens on (a port bound and released, never listened on).

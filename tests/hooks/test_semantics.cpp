@@ -8,7 +8,8 @@
 //   - MSG_WAITALL waits for all of it, MSG_ERRQUEUE never waits, a stream socket's sendto writes
 //     everything, select never ends early, a huge timeout is for ever, the kernel's own
 //     ETIMEDOUT stays ETIMEDOUT;
-//   - a number fclose closed and a new descriptor took is the new descriptor.
+//   - a number fclose closed and a new descriptor took is the new descriptor (more in
+//     test_numbers.cpp).
 #include <doctest/doctest.h>
 
 #include <dirent.h>
@@ -17,6 +18,7 @@
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/select.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 
@@ -1055,21 +1057,6 @@ TEST_CASE("semantics: a number closed by fclose and made again (eventfd, open) i
 }
 
 namespace {
-void send_with_fd(int sock, const char* data, size_t n, int fd) {
-  iovec iov{const_cast<char*>(data), n};
-  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))] = {};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  m.msg_control = cbuf;
-  m.msg_controllen = sizeof cbuf;
-  cmsghdr* c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  REQUIRE(::syscall(SYS_sendmsg, sock, &m, 0) == static_cast<long>(n));
-}
 int fds_in(msghdr& m) {
   int n = 0;
   for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
