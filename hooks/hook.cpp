@@ -14,7 +14,8 @@
 //   io_uring engine waits on blocking descriptors natively.
 // - Timeouts are infinite unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry reads, writes and
 //   accept fail with EAGAIN, connect with EINPROGRESS. connect reports the real SO_ERROR.
-// - A blocking write writes everything (short writes loop), as on a blocking socket.
+// - A blocking write writes everything (short writes loop), as on a blocking socket; a
+//   MSG_FASTOPEN send that could only start the connection waits for it, then sends.
 // - errno is set after the last switch, through a non-inlined store: the fiber may have moved
 //   to another thread while it waited.
 // - close wakes fibers waiting on the descriptor (fiber::io::close); they see EBADF.
@@ -597,7 +598,11 @@ ssize_t recvfrom(int fd, void* buf, size_t n, int flags, struct sockaddr* addr, 
     m.msg_iov = &iov;
     m.msg_iovlen = 1;
     const ssize_t r = recvmsg(fd, &m, flags);
-    if (r >= 0 && len) *len = m.msg_namelen;
+    if (r >= 0 && len == nullptr) {  // the kernel's call too takes the data, then fails to store
+      set_errno(EFAULT);             // the address's length
+      return -1;
+    }
+    if (r >= 0) *len = m.msg_namelen;
     return r;
   }
   return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags, addr, len);
@@ -703,10 +708,28 @@ ssize_t send_rest(int fd, const msghdr& m, int flags, size_t done, const fiber::
   return static_cast<ssize_t>(done);
 }
 
+// Waits until a connection in progress on `fd` is made: 0, or -errno (its SO_ERROR, or the wait's).
+int connected(int fd, const fiber::io::Deadline& d) noexcept {
+  const int ready = fiber::io::poll(fd, POLLOUT, d);
+  if (ready < 0) return ready;
+  int error = 0;
+  socklen_t len = sizeof error;
+  if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) return -get_errno();
+  return -error;
+}
+
 // A send on a blocking socket after the first try without waiting gave `r`: on a stream the rest
 // (send_rest); a message (kMessage) goes whole or not at all, so it was sent, or is sent once
 // there is room - never in parts, which would be several messages.
 ssize_t send_after(int fd, const msghdr& m, int flags, ssize_t r, uint8_t f, const fiber::io::Deadline& d) noexcept {
+  if (r < 0 && (flags & MSG_FASTOPEN) && !(f & kMessage) && get_errno() == EINPROGRESS) {
+    // TCP Fast Open with no cookie for the peer: the SYN went out without the data, and the
+    // kernel's blocking call would wait for the connection, then send. Waited out like connect
+    // (a send timeout: EINPROGRESS), then sent as on any connected socket.
+    const int c = connected(fd, d);
+    if (c < 0) return finish(c, d, EINPROGRESS);
+    return send_rest(fd, m, flags & ~MSG_FASTOPEN, 0, d, true);
+  }
   if (r < 0 && get_errno() != EAGAIN) return r;
   if (f & kMessage) return r >= 0 ? r : finish(fiber::io::sendmsg(fd, &m, flags, d), d);
   return send_rest(fd, m, flags, r > 0 ? static_cast<size_t>(r) : 0, d, true);
@@ -929,7 +952,12 @@ int ppoll(struct pollfd* fds, nfds_t n, const struct timespec* ts, const sigset_
   // A signal mask changes what the call means; leave those to the kernel.
   if (mask != nullptr || (ts && ts->tv_sec == 0 && ts->tv_nsec == 0) || !may_park() ||
       (ts && (ts->tv_sec < 0 || ts->tv_nsec < 0 || ts->tv_nsec >= 1'000'000'000))) {  // invalid: EINVAL
-    return REAL(ppoll, SYS_ppoll, fds, n, ts, mask);
+    if (real_ppoll != nullptr) return real_ppoll(fds, n, ts, mask);
+    // Before resolution: the system call, which takes the mask's size and writes what is left
+    // of the timeout back (glibc's ppoll passes a copy).
+    timespec left{};
+    if (ts != nullptr) left = *ts;
+    return static_cast<int>(::syscall(SYS_ppoll, fds, n, ts ? &left : nullptr, mask, _NSIG / 8));
   }
   const int now = real_poll(fds, n, 0);
   if (now != 0) return now;

@@ -191,6 +191,20 @@ inline Listener tcp_listener(int backlog = 128, int type_flags = 0) {
   return l;
 }
 
+// A UDP socket bound to a loopback port, and its address.
+struct Udp {
+  Fd fd;
+  sockaddr_in addr{};
+};
+inline Udp udp_receiver() {
+  Udp u{Fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0)), loopback()};
+  REQUIRE(u.fd >= 0);
+  REQUIRE(::bind(u.fd, sa(u.addr), sizeof u.addr) == 0);
+  socklen_t len = sizeof u.addr;
+  REQUIRE(::getsockname(u.fd, reinterpret_cast<sockaddr*>(&u.addr), &len) == 0);
+  return u;
+}
+
 // A message of data (`iov`) with room for one descriptor in its SCM_RIGHTS control buffer.
 struct FdMessage {
   iovec iov;
