@@ -125,6 +125,11 @@ struct Fiber {
   // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter() is armed), kJoinFinished,
   // kJoinDetached.
   std::atomic<uint8_t> join_word{0};
+  // Set (never cleared) by a cancel before it sets wake_word's cancel bit. A wait begins with
+  // a plain store of wake_word, which could overwrite a bit set in the meantime; the fiber
+  // then finds this flag and sets the bit again (wait.cpp, waiter_prepare; runtime.cpp,
+  // fiber_cancel).
+  std::atomic<bool> cancel_requested{false};
   static constexpr uint8_t kJoinWaiting = 1;
   static constexpr uint8_t kJoinFinished = 2;
   static constexpr uint8_t kJoinDetached = 3;

@@ -283,7 +283,11 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
   sched_.registry().add(f, index_);  // listed from its first run, where it will likely finish
   // Queued when stop() began, so never listed for it to cancel: cancelled here, before its
   // first blocking call can start anything (stop() cancels whatever it finds listed).
-  if (sched_.stopping()) [[unlikely]] fiber_cancel(f);
+  // It has not run, so it cannot be starting a wait: no fence (fiber_cancel_mark).
+  if (sched_.stopping()) [[unlikely]] {
+    fiber_cancel_mark(f);
+    fiber_cancel_claim(f);
+  }
   f->san.on_create(f->stack.lo, f->stack.size);
   f->ctx = make_context(f->stack.top(), f->stack.usable(), &Processor::fiber_main);
   return true;

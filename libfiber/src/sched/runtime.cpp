@@ -28,6 +28,7 @@
 #include "fiber/spawn.hpp"
 #include "fiber/this_fiber.hpp"
 #include "sched/group.hpp"
+#include "sched/membarrier.hpp"
 #include "sched/processor.hpp"
 #include "sched/scheduler_impl.hpp"
 
@@ -482,7 +483,28 @@ Fiber* fiber_current_retained() noexcept {
 
 unsigned long long fiber_id(const Fiber* f) noexcept { return f->id; }
 
+// A cancel is three steps. The flag first: a wait that starts with a plain store of wake_word
+// (waiter_prepare) may overwrite the cancel bit set below, and then finds the flag instead. That
+// is a store-buffering pattern (the fiber: wake_word, then the flag; the cancel: the flag, then
+// wake_word), whose full barriers fiber_cancel_fence supplies on every thread at once: after it,
+// either the fiber's wait began early enough for fiber_cancel_claim's fetch_or to see it, or
+// late enough to see the flag.
+void fiber_cancel_mark(Fiber* f) noexcept { f->cancel_requested.store(true, std::memory_order_relaxed); }
+
+void fiber_cancel_fence() noexcept {
+  if (!plain_wait_start()) return;  // waits start with a CAS: the fetch_or cannot be lost
+  // Registered, so this succeeds but for a transient refusal (the kernel's cpumask allocation):
+  // without it a wait starting now could miss the cancel, so retry until it goes through.
+  while (!membarrier_heavy()) std::this_thread::yield();
+}
+
 void fiber_cancel(Fiber* f) noexcept {
+  fiber_cancel_mark(f);
+  fiber_cancel_fence();
+  fiber_cancel_claim(f);
+}
+
+void fiber_cancel_claim(Fiber* f) noexcept {
   uint64_t cur = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
   for (;;) {
     const WakeWord w = WakeWord::unpack(cur);

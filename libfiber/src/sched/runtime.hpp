@@ -1,6 +1,7 @@
 // Fiber lifecycle helpers shared by the processor loop and the public entry points.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "sched/fiber.hpp"
@@ -26,6 +27,21 @@ inline void throw_if_cancelled(const Fiber* f) {
 // Writes one line naming the fiber, its stack and `how` it overflowed, then aborts. Async-signal-
 // safe (the guard-page fault handler calls it on the alternate signal stack).
 [[noreturn]] void report_stack_overflow(const Fiber* f, const char* how) noexcept;
+// How a fiber's wait starts and a cancel reaches it. True (membarrier(2) registered):
+// waiter_prepare publishes the new wait with a plain store of wake_word, and a cancel pays for
+// the store-buffering fence on both sides with one membarrier (fiber_cancel). False:
+// waiter_prepare uses a CAS, which a concurrent cancel's fetch_or cannot be lost to. Decided
+// (decide_wait_start) before the first scheduler starts its processors, so before any fiber
+// exists, and never changed after: every fiber's waits and cancels agree.
+inline std::atomic<bool> g_plain_wait_start{false};
+void decide_wait_start() noexcept;
+inline bool plain_wait_start() noexcept { return g_plain_wait_start.load(std::memory_order_relaxed); }
+// fiber_cancel (fiber/detail/task.hpp) in its three steps, for callers that need not fence for
+// every fiber: stop() marks a batch, fences once, then claims; a fiber that has never run (and
+// is about to, on this thread) cannot be starting a wait, so needs no fence at all.
+void fiber_cancel_mark(Fiber* f) noexcept;
+void fiber_cancel_fence() noexcept;
+void fiber_cancel_claim(Fiber* f) noexcept;
 // Ends a prepared wait that will not be waited for. A cancel or close may have claimed it
 // meanwhile; then this returns once their unpark has landed.
 void waiter_abandon(Waiter& w) noexcept;

@@ -80,6 +80,7 @@ SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
       registry_(resolve_max_processors(o.max_processors, base_)),
       processors_(resolve_max_processors(o.max_processors, base_)) {
   Poller::validate_env();
+  decide_wait_start();  // before any processor thread exists: they read it without a lock
   if (o.watchdog.enabled) {
     hazard_.enable();  // before any processor thread exists: they read it without a lock
     monitor_ = std::make_unique<Monitor>(*this, o.watchdog);
@@ -179,7 +180,10 @@ void SchedulerImpl::stop() {
   // loop finds it listed or it sees the flag). Backs off from 50 us to 5 ms between rounds.
   auto pause = std::chrono::microseconds(50);
   while (live_fibers() != 0) {
-    registry_.for_each([](Fiber* f) { fiber_cancel(f); });
+    // One fence for the whole round, not one membarrier per fiber (fiber_cancel).
+    registry_.for_each([](Fiber* f) { fiber_cancel_mark(f); });
+    fiber_cancel_fence();
+    registry_.for_each([](Fiber* f) { fiber_cancel_claim(f); });
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));
   }

@@ -1,9 +1,10 @@
 // Waiter: the one parking primitive (see fiber/detail/wait.hpp and libfiber/README.md).
 //
 // Fiber waits: the claim word is the fiber's wake_word, (generation, cancel bit, reason).
-// waiter_prepare starts a new generation and moves the fiber to Parking; a claim is one CAS from
-// (gen, Pending) to (gen, reason); the winner unparks the fiber. Cancellation sets the cancel bit
-// and claims a pending wait, so a wait prepared after a cancel ends at once.
+// waiter_prepare starts a new generation and moves the fiber to Parking, with no locked
+// instruction where membarrier(2) lets a cancel pay for the fence (plain_wait_start); a claim is
+// one CAS from (gen, Pending) to (gen, reason); the winner unparks the fiber. Cancellation sets
+// the cancel bit and claims a pending wait, so a wait prepared after a cancel ends at once.
 //
 // Thread waits: the claim word is the record's own state; the thread sleeps on its
 // ThreadParker, a futex word that outlives the record (parkers are pooled, never freed), so a
@@ -22,6 +23,7 @@
 
 #include "fiber/detail/wait.hpp"
 #include "sched/fiber.hpp"
+#include "sched/membarrier.hpp"
 #include "sched/processor.hpp"
 #include "sched/runtime.hpp"
 #include "sched/timer.hpp"
@@ -100,6 +102,10 @@ constexpr uint8_t kPending = static_cast<uint8_t>(WakeReason::Pending);
 
 }  // namespace
 
+void decide_wait_start() noexcept {
+  if (membarrier_available()) g_plain_wait_start.store(true, std::memory_order_relaxed);
+}
+
 // ------------------------------------------------------------------------------ waiter
 
 static void waiter_prepare_impl(Waiter& w, bool shielded) noexcept;
@@ -120,13 +126,23 @@ void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
   // it and unpark us at once, and unpark requires Parking or Parked. The CAS below is a release,
   // so whoever reads the new word also sees this store.
   f->state.store(FiberState::Parking, std::memory_order_relaxed);
-  // Only this fiber changes the generation; wakers only set the reason or the cancel bit, so
-  // the CAS loop keeps a concurrent cancel.
+  // Only this fiber changes the generation. Wakers only claim a Pending wait of the current
+  // generation, and the previous wait is no longer Pending (it ended by a claim), so nothing
+  // but a cancel's fetch_or of the cancel bit can write the word now.
   uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
-  uint64_t next;
-  do {
-    next = WakeWord::next_wait(cur, shielded);
-  } while (!f->wake_word.compare_exchange_weak(cur, next, std::memory_order_acq_rel));
+  uint64_t next = WakeWord::next_wait(cur, shielded);
+  if (plain_wait_start()) [[likely]] {
+    // A plain store (release: a waker that reads the new word sees Parking), which may overwrite
+    // the bit of a cancel that came since the load: then the cancel's flag is visible here
+    // (fiber_cancel_fence is the other half of the fence), and the bit is set again.
+    f->wake_word.store(next, std::memory_order_release);
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+    if (f->cancel_requested.load(std::memory_order_relaxed) && !(next & WakeWord::kCancelBit)) [[unlikely]] {
+      next = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
+    }
+  } else {
+    while (!f->wake_word.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) next = WakeWord::next_wait(cur, shielded);
+  }
   w.gen = WakeWord::unpack(next).gen;
 }
 
