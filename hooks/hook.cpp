@@ -42,6 +42,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdarg>
 #include <cerrno>
@@ -59,6 +60,14 @@
 #include <fiber/this_fiber.hpp>
 
 #include "hook_table.hpp"
+
+// Headers older than the calls (glibc < 2.34, Linux < 5.9).
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
 
 extern "C" {
 // Fortified variants (-D_FORTIFY_SOURCE) call these instead of the plain names.
@@ -270,12 +279,16 @@ void forget_range(unsigned first, unsigned last) noexcept {
   }
 }
 
-// The descriptors passed in SCM_RIGHTS messages of a received `m`: new numbers, made by the
-// kernel out of the hooks' sight.
+// The descriptors passed in SCM_RIGHTS (and SCM_PIDFD, Linux 6.5) messages of a received `m`:
+// new numbers, made by the kernel out of the hooks' sight.
+constexpr int kScmPidfd = 0x04;
 void forget_passed(msghdr& m) noexcept {
   if (m.msg_control == nullptr) return;
   for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len < CMSG_LEN(0)) continue;
+    if (c->cmsg_level != SOL_SOCKET || (c->cmsg_type != SCM_RIGHTS && c->cmsg_type != kScmPidfd) ||
+        c->cmsg_len < CMSG_LEN(0)) {
+      continue;
+    }
     const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t k = 0; k < n; ++k) {
       int fd;
@@ -722,13 +735,16 @@ int connected(int fd, const fiber::io::Deadline& d) noexcept {
 // (send_rest); a message (kMessage) goes whole or not at all, so it was sent, or is sent once
 // there is room - never in parts, which would be several messages.
 ssize_t send_after(int fd, const msghdr& m, int flags, ssize_t r, uint8_t f, const fiber::io::Deadline& d) noexcept {
-  if (r < 0 && (flags & MSG_FASTOPEN) && !(f & kMessage) && get_errno() == EINPROGRESS) {
-    // TCP Fast Open with no cookie for the peer: the SYN went out without the data, and the
-    // kernel's blocking call would wait for the connection, then send. Waited out like connect
-    // (a send timeout: EINPROGRESS), then sent as on any connected socket.
+  if ((flags & MSG_FASTOPEN) && !(f & kMessage) && (r > 0 || (r < 0 && get_errno() == EINPROGRESS))) {
+    // TCP Fast Open: the first try started the connection, with the first r bytes in the SYN
+    // (a cookie for the peer, or TCP_FASTOPEN_NO_COOKIE) or none (EINPROGRESS). The kernel's
+    // blocking call waits for the connection, then sends the rest as on any connected socket,
+    // without the flag (a second Fast Open send would fail: EALREADY, EISCONN). A connection
+    // that fails is the call's error even after data went in the SYN; a send timeout returns
+    // what went (EINPROGRESS if nothing did), as the kernel's does.
     const int c = connected(fd, d);
-    if (c < 0) return finish(c, d, EINPROGRESS);
-    return send_rest(fd, m, flags & ~MSG_FASTOPEN, 0, d, true);
+    if (c < 0) return (r > 0 && c == -ETIMEDOUT && d.expired()) ? r : finish(c, d, EINPROGRESS);
+    return send_rest(fd, m, flags & ~MSG_FASTOPEN, r > 0 ? static_cast<size_t>(r) : 0, d, true);
   }
   if (r < 0 && get_errno() != EAGAIN) return r;
   if (f & kMessage) return r >= 0 ? r : finish(fiber::io::sendmsg(fd, &m, flags, d), d);
@@ -766,8 +782,8 @@ ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
     if ((f & kKnown) && !(f & kNonblock)) {
+      // A failure other than EAGAIN (a bad msg among them) is returned unread by send_after.
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, msg, flags | MSG_DONTWAIT);
-      if (r < 0 && get_errno() != EAGAIN) return r;  // a bad msg among them: not to be read
       return send_after(fd, *msg, flags, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
     }
   }
@@ -1140,9 +1156,11 @@ int epoll_create(int size) noexcept { return made(REAL(epoll_create, SYS_epoll_c
 int inotify_init() noexcept {
   return made(real_inotify_init ? real_inotify_init() : static_cast<int>(::syscall(SYS_inotify_init)));
 }
+// With an existing descriptor only its mask changes: the same file, still shared with its dups.
 int signalfd(int fd, const sigset_t* mask, int flags) noexcept {
-  return made(real_signalfd ? real_signalfd(fd, mask, flags)
-                            : static_cast<int>(::syscall(SYS_signalfd4, fd, mask, _NSIG / 8, flags)));
+  const int rc = real_signalfd ? real_signalfd(fd, mask, flags)
+                               : static_cast<int>(::syscall(SYS_signalfd4, fd, mask, _NSIG / 8, flags));
+  return fd == -1 ? made(rc) : rc;
 }
 // The fortified open(2)s (-D_FORTIFY_SOURCE) open through glibc's internal calls.
 int __open_2(const char* path, int flags) { return made(lazy(real___open_2, "__open_2")(path, flags)); }
@@ -1176,8 +1194,8 @@ int closedir(DIR* d) {
   return lazy(real_closedir, "closedir")(d);
 }
 
-// close_range and closefrom (glibc 2.34, Linux 5.9) are looked up when first called, so the hook
-// still loads on an older glibc. The numbers are forgotten after the call: a learning racing it
+// close_range and closefrom (glibc 2.34, Linux 5.9) are looked up when first called, so that
+// neither is required of the libc the hook is built for. The numbers are forgotten after the call: a learning racing it
 // would otherwise keep what it learned of a descriptor the call then closed.
 int close_range(unsigned first, unsigned last, int flags) noexcept {
   static std::atomic<void*> slot{nullptr};
@@ -1192,9 +1210,9 @@ void closefrom(int low) noexcept {
   if (auto* real = optional_next<void (*)(int)>(slot, "closefrom")) {
     real(low);
   } else {
-    (void)::syscall(SYS_close_range, static_cast<unsigned>(low), ~0U, 0);
+    (void)::syscall(SYS_close_range, static_cast<unsigned>(std::max(low, 0)), ~0U, 0);
   }
-  if (low >= 0) forget_range(static_cast<unsigned>(low), ~0U);
+  forget_range(static_cast<unsigned>(std::max(low, 0)), ~0U);  // glibc takes a negative low as 0
 }
 
 // ---- signal handlers: the program's handlers run inside a trampoline that marks the thread

@@ -8,7 +8,8 @@
 //     the thread in the real call;
 //   - made by creat, __open_2, inotify_init, signalfd or received with SCM_RIGHTS after the hook
 //     learnt the number as a blocking socket: the call must act on the new descriptor (no
-//     ENOTSOCK from a socket-only first try). (epoll_create forgets its number too, but an epoll
+//     ENOTSOCK from a socket-only first try); signalfd on an existing descriptor makes none,
+//     and what its dups share stays shared. (epoll_create forgets its number too, but an epoll
 //     descriptor has nothing a hooked call does differently for it.)
 #include <doctest/doctest.h>
 
@@ -72,6 +73,14 @@ int learnt_socket_closed_unseen() {
   const int number = p.a.release();
   REQUIRE(::syscall(SYS_close, number) == 0);
   return number;
+}
+
+// No watchdog: its monitor thread opens /proc files to see what a slow processor does, and such
+// an open takes the lowest free number - the one a case has just freed for its new descriptor.
+fiber::WatchdogOptions no_monitor() {
+  fiber::WatchdogOptions w;
+  w.enabled = false;
+  return w;
 }
 
 std::string temp_dir() {
@@ -147,7 +156,7 @@ TEST_CASE("numbers: a number closed inside glibc (pclose, freopen, closedir, clo
       check_blocking_socket_on(number, "freopen");
       REQUIRE(::fclose(f) == 0);  // closes the socket put on the number
     }
-  });
+  }, 60'000ms, "fiber body", no_monitor());
 }
 
 TEST_CASE("numbers: a descriptor made by creat, __open_2, inotify_init, signalfd or SCM_RIGHTS is new to the hook") {
@@ -197,6 +206,24 @@ TEST_CASE("numbers: a descriptor made by creat, __open_2, inotify_init, signalfd
                                                                                           << err_str(r.e));
       ::close(fd);
     }
+    {  // signalfd on an existing descriptor changes its mask only: still the file its dup shares
+      sigset_t mask;
+      sigemptyset(&mask);
+      sigaddset(&mask, SIGURG);
+      const int sfd = ::signalfd(-1, &mask, SFD_CLOEXEC);  // blocking
+      REQUIRE(sfd >= 0);
+      Fd d(::dup(sfd));
+      REQUIRE(::signalfd(sfd, &mask, SFD_CLOEXEC) == sfd);
+      char buf[sizeof(signalfd_siginfo)];
+      REQUIRE(::pread(sfd, buf, sizeof buf, 0) == -1);  // learnt (blocking); the real call: ESPIPE
+      REQUIRE(::fcntl(d, F_SETFL, O_NONBLOCK) == 0);    // through the dup: sfd is non-blocking too
+      auto r = no_park_call([&] { return call([&] { return ::read(sfd, buf, sizeof buf); }); },
+                            [&] { ::close(sfd); });  // were it to wait, the close ends it
+      CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN), "read of a signalfd made non-blocking through a dup: "
+                                                                  << r.value.r << " errno " << err_str(r.value.e));
+      CHECK_MESSAGE(!r.parked, "the read waited: O_NONBLOCK set through the dup was not seen");
+      if (!r.released) ::close(sfd);
+    }
     {  // SCM_RIGHTS
       Pair carrier = make_socketpair();
       Fd passed(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
@@ -217,7 +244,7 @@ TEST_CASE("numbers: a descriptor made by creat, __open_2, inotify_init, signalfd
     ::unlink(file.c_str());
     ::unlink(created.c_str());
     ::rmdir(dir.c_str());
-  });
+  }, 60'000ms, "fiber body", no_monitor());
 }
 
 }  // TEST_SUITE("hooked")

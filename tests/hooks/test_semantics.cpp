@@ -10,7 +10,7 @@
 //     ETIMEDOUT stays ETIMEDOUT;
 //   - a number fclose closed and a new descriptor took is the new descriptor (more in
 //     test_numbers.cpp);
-//   - sendto(MSG_FASTOPEN) on a blocking socket connects and sends; recvfrom with an address
+//   - a MSG_FASTOPEN send on a blocking socket connects and sends; recvfrom with an address
 //     and no length is EFAULT.
 #include <doctest/doctest.h>
 
@@ -847,10 +847,38 @@ TEST_CASE("semantics: sendto with an address writes all of it on a connected str
   });
 }
 
-TEST_CASE("semantics: sendto with MSG_FASTOPEN on a blocking socket connects, then writes all of it; refused is ECONNREFUSED") {
-  // With no Fast Open cookie for the peer (always so here: the listener does not offer Fast
-  // Open) the kernel sends a bare SYN, and a call that may not wait says EINPROGRESS, with none
-  // of the data sent. A blocking one waits for the connection, then sends, as connect + send.
+namespace {
+#ifndef TCP_FASTOPEN_NO_COOKIE
+#define TCP_FASTOPEN_NO_COOKIE 34
+#endif
+// A TCP Fast Open send of `n` bytes to `to` on a new blocking socket, with sendto or sendmsg;
+// `no_cookie`: the first bytes go in the SYN (TCP_FASTOPEN_NO_COOKIE), else they do only if this
+// machine holds a cookie for the address. False if the socket refuses the option.
+bool fastopen_send(bool no_cookie, bool use_sendmsg, const sockaddr_in& to, const char* data, size_t n, Res& out) {
+  Fd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  REQUIRE(c >= 0);
+  const int one = 1;
+  if (no_cookie && ::setsockopt(c, IPPROTO_TCP, TCP_FASTOPEN_NO_COOKIE, &one, sizeof one) != 0) return false;
+  out = call([&] {
+    if (!use_sendmsg) return ::sendto(c, data, n, MSG_FASTOPEN, sa(to), sizeof to);
+    iovec iov{const_cast<char*>(data), n};
+    msghdr m{};
+    m.msg_name = const_cast<sockaddr_in*>(&to);
+    m.msg_namelen = sizeof to;
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    return ::sendmsg(c, &m, MSG_FASTOPEN);
+  });
+  ::shutdown(c, SHUT_WR);
+  return true;
+}
+}  // namespace
+
+TEST_CASE("semantics: a MSG_FASTOPEN send on a blocking socket connects, then writes all of it; refused is ECONNREFUSED") {
+  // The first try (which may not wait) starts the connection and says EINPROGRESS with nothing
+  // sent, or - with a cookie for the peer, or TCP_FASTOPEN_NO_COOKIE - puts the first bytes in
+  // the SYN and returns their count. Either way the blocking call waits for the connection, then
+  // sends the rest, as connect + send; a refused connection is its error.
   int tfo = 0;
   if (FILE* f = std::fopen("/proc/sys/net/ipv4/tcp_fastopen", "r")) {
     if (std::fscanf(f, "%d", &tfo) != 1) tfo = 0;
@@ -861,28 +889,40 @@ TEST_CASE("semantics: sendto with MSG_FASTOPEN on a blocking socket connects, th
     return;
   }
   on_fiber(1, [] {
-    Listener l = tcp_listener();
     const size_t n = 4 << 20;  // more than the socket buffers hold: the rest waits for room
     std::vector<char> big(n);
     for (size_t k = 0; k < n; ++k) big[k] = static_cast<char>(k * 7);  // drain's pattern
-    size_t got = 0, bad = 0;
-    std::thread reader([&] {  // a plain thread: the real accept
-      Fd s(::accept(l.fd, nullptr, nullptr));
-      if (s >= 0) got = drain(s, n, 10'000ms, 0, &bad);
-    });
-    Fd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    const Res r = call([&] { return ::sendto(c, big.data(), n, MSG_FASTOPEN, sa(l.addr), sizeof l.addr); });
-    ::shutdown(c, SHUT_WR);
-    reader.join();
-    CHECK_MESSAGE(r.r == static_cast<long>(n), "sendto(MSG_FASTOPEN): " << r.r << " of " << n << ", errno " << err_str(r.e));
-    CHECK(got == n);
-    CHECK(bad == 0);
-
     const sockaddr_in nobody = refused_addr();
-    Fd c2(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    const Res refused = call([&] { return ::sendto(c2, "x", 1, MSG_FASTOPEN, sa(nobody), sizeof nobody); });
-    CHECK_MESSAGE((refused.r == -1 && refused.e == ECONNREFUSED),
-                  "sendto(MSG_FASTOPEN) to a closed port: " << refused.r << " errno " << err_str(refused.e));
+    for (const bool no_cookie : {false, true}) {
+      for (const bool use_sendmsg : {false, true}) {
+        CAPTURE(no_cookie);
+        CAPTURE(use_sendmsg);
+        Listener l = tcp_listener();
+        size_t got = 0, bad = 0;
+        std::thread reader([&] {  // a plain thread: the real accept
+          Fd s(::accept(l.fd, nullptr, nullptr));
+          if (s >= 0) got = drain(s, n, 10'000ms, 0, &bad);
+        });
+        Res r;
+        const bool ran = fastopen_send(no_cookie, use_sendmsg, l.addr, big.data(), n, r);
+        if (!ran) {
+          Fd wake(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));  // ends the reader's accept
+          REQUIRE(::connect(wake, sa(l.addr), sizeof l.addr) == 0);
+          reader.join();
+          MESSAGE("skipped: TCP_FASTOPEN_NO_COOKIE refused");
+          continue;
+        }
+        reader.join();
+        CHECK_MESSAGE(r.r == static_cast<long>(n), "Fast Open send: " << r.r << " of " << n << ", errno " << err_str(r.e));
+        CHECK(got == n);
+        CHECK(bad == 0);
+
+        Res refused;
+        REQUIRE(fastopen_send(no_cookie, use_sendmsg, nobody, "x", 1, refused));
+        CHECK_MESSAGE((refused.r == -1 && refused.e == ECONNREFUSED),
+                      "Fast Open send to a closed port: " << refused.r << " errno " << err_str(refused.e));
+      }
+    }
   });
 }
 
