@@ -491,17 +491,31 @@ unsigned long long fiber_id(const Fiber* f) noexcept { return f->id; }
 // late enough to see the flag.
 void fiber_cancel_mark(Fiber* f) noexcept { f->cancel_requested.store(true, std::memory_order_relaxed); }
 
-void fiber_cancel_fence() noexcept {
-  if (!plain_wait_start()) return;  // waits start with a CAS: the fetch_or cannot be lost
-  // Registered, so this succeeds but for a transient refusal (the kernel's cpumask allocation):
-  // without it a wait starting now could miss the cancel, so retry until it goes through.
-  while (!membarrier_heavy()) std::this_thread::yield();
+bool fiber_cancel_fence() noexcept {
+  if (!plain_wait_start()) return true;  // waits start with a CAS: the fetch_or cannot be lost
+  // Registered, so this succeeds but for a transient refusal (the kernel's cpumask allocation)
+  // or a seccomp filter installed since; a few tries, then the caller does without.
+  for (int i = 0; i < 64; ++i) {
+    if (membarrier_heavy()) return true;
+    std::this_thread::yield();
+  }
+  return false;
 }
 
 void fiber_cancel(Fiber* f) noexcept {
+  // A finished fiber starts no wait; a cancel bit already set came with an earlier cancel's
+  // fence, which covers every wait start from then on. Neither needs a membarrier (a syscall
+  // that interrupts every running thread of the process), only the claim.
+  if (f->state.load(std::memory_order_acquire) == FiberState::Finished) return;
   fiber_cancel_mark(f);
-  fiber_cancel_fence();
+  const bool fenced = (f->wake_word.load(std::memory_order_acquire) & WakeWord::kCancelBit) != 0 || fiber_cancel_fence();
   fiber_cancel_claim(f);
+  if (!fenced) [[unlikely]] {
+    // Refused: a wait start racing the claim may have overwritten the bit and missed the flag,
+    // leaving its wait unclaimed. Its store is visible within microseconds; claim again then.
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    fiber_cancel_claim(f);
+  }
 }
 
 void fiber_cancel_claim(Fiber* f) noexcept {

@@ -40,7 +40,7 @@ inline bool plain_wait_start() noexcept { return g_plain_wait_start.load(std::me
 // every fiber: stop() marks a batch, fences once, then claims; a fiber that has never run (and
 // is about to, on this thread) cannot be starting a wait, so needs no fence at all.
 void fiber_cancel_mark(Fiber* f) noexcept;
-void fiber_cancel_fence() noexcept;
+bool fiber_cancel_fence() noexcept;  // false: membarrier refused; claim again later (stop: next round)
 void fiber_cancel_claim(Fiber* f) noexcept;
 // Ends a prepared wait that will not be waited for. A cancel or close may have claimed it
 // meanwhile; then this returns once their unpark has landed.

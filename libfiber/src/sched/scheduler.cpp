@@ -180,9 +180,10 @@ void SchedulerImpl::stop() {
   // loop finds it listed or it sees the flag). Backs off from 50 us to 5 ms between rounds.
   auto pause = std::chrono::microseconds(50);
   while (live_fibers() != 0) {
-    // One fence for the whole round, not one membarrier per fiber (fiber_cancel).
+    // One fence for the whole round, not one membarrier per fiber (fiber_cancel). Were it
+    // refused, the next round's claims find any wait this one missed.
     registry_.for_each([](Fiber* f) { fiber_cancel_mark(f); });
-    fiber_cancel_fence();
+    (void)fiber_cancel_fence();
     registry_.for_each([](Fiber* f) { fiber_cancel_claim(f); });
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));

@@ -130,6 +130,14 @@ void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
   // generation, and the previous wait is no longer Pending (it ended by a claim), so nothing
   // but a cancel's fetch_or of the cancel bit can write the word now.
   uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
+  // What the plain store below rests on: the previous wait ended with a claim. One still Pending
+  // could be claimed by a late waker between the load and the store, and that claim's unpark
+  // would then wake this wait.
+  if ((cur & WakeWord::kReasonMask) == static_cast<uint64_t>(WakeReason::Pending)) [[unlikely]] {
+    std::fprintf(stderr, "libfiber: broken invariant: fiber #%llu began a wait while its last one was pending\n",
+                 static_cast<unsigned long long>(f->id));
+    std::abort();
+  }
   uint64_t next = WakeWord::next_wait(cur, shielded);
   if (plain_wait_start()) [[likely]] {
     // A plain store (release: a waker that reads the new word sees Parking), which may overwrite
