@@ -113,23 +113,12 @@ __attribute__((constructor(101))) void hook_init() {
   pthread_atfork(nullptr, nullptr, [] { g_forked_child.store(true, std::memory_order_relaxed); });
 }
 
-// Library functions (not system calls) called before the constructor: resolve on demand.
+// Library functions (not system calls) called before the constructor, or that a libc may lack
+// (null then): resolve on demand.
 template <typename Fn>
 Fn lazy(Fn& slot, const char* name) noexcept {
   if (slot == nullptr) slot = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
   return slot;
-}
-
-// A function a libc may lack, looked up (once found, kept in `slot`) when first called; null if
-// this libc has none.
-template <typename Fn>
-Fn optional_next(std::atomic<void*>& slot, const char* name) noexcept {
-  void* fn = slot.load(std::memory_order_relaxed);
-  if (fn == nullptr) {
-    fn = dlsym(RTLD_NEXT, name);
-    slot.store(fn, std::memory_order_relaxed);
-  }
-  return reinterpret_cast<Fn>(fn);
 }
 
 // The real call: the resolved function, or the system call itself before resolution.
@@ -1195,19 +1184,19 @@ int closedir(DIR* d) {
 }
 
 // close_range and closefrom (glibc 2.34, Linux 5.9) are looked up when first called, so that
-// neither is required of the libc the hook is built for. The numbers are forgotten after the call: a learning racing it
-// would otherwise keep what it learned of a descriptor the call then closed.
+// neither is required of the libc the hook is built for. The numbers are forgotten after the
+// call: a learning racing it would otherwise keep what it learned of a descriptor it closed.
 int close_range(unsigned first, unsigned last, int flags) noexcept {
-  static std::atomic<void*> slot{nullptr};
-  auto* real = optional_next<int (*)(unsigned, unsigned, int)>(slot, "close_range");
+  static int (*real_close_range)(unsigned, unsigned, int) = nullptr;
+  auto* real = lazy(real_close_range, "close_range");
   const int rc = real != nullptr ? real(first, last, flags) : static_cast<int>(::syscall(SYS_close_range, first, last, flags));
   if (rc == 0 && !(flags & CLOSE_RANGE_CLOEXEC)) forget_range(first, last);
   return rc;
 }
 
 void closefrom(int low) noexcept {
-  static std::atomic<void*> slot{nullptr};
-  if (auto* real = optional_next<void (*)(int)>(slot, "closefrom")) {
+  static void (*real_closefrom)(int) = nullptr;
+  if (auto* real = lazy(real_closefrom, "closefrom")) {
     real(low);
   } else {
     (void)::syscall(SYS_close_range, static_cast<unsigned>(std::max(low, 0)), ~0U, 0);

@@ -339,6 +339,16 @@ FdKind classify(int fd) noexcept {
   return FdKind::Other;
 }
 
+// Whether a positional call on `fd` goes to the ring: 1 for a regular file or a block device; 0
+// for the rest, whose pread(2)/pwrite(2) the kernel must answer itself (ESPIPE, or /dev/zero's
+// data) - the ring's READ/WRITE would ignore the offset there and take or add stream data; or
+// -EBADF. Asked every call: a cached answer would outlive the descriptor across dup2.
+int ring_positional(int fd) noexcept {
+  const FdKind kind = classify(fd);
+  if (kind == FdKind::Bad) return -EBADF;
+  return kind == FdKind::File ? 1 : 0;
+}
+
 bool is_nonblocking(int fd) noexcept {
   const int fl = raw::fcntl(fd, F_GETFL);
   return fl >= 0 && (fl & O_NONBLOCK) != 0;
@@ -522,12 +532,9 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    // The ring's READ/WRITE ignore the offset on a descriptor without a position (a socket, a
-    // pipe, an eventfd) and take or add stream data: only regular files and block devices go
-    // there; the rest get the kernel's own answer (ESPIPE, or /dev/zero's data) below.
-    const detail::FdKind kind = detail::classify(fd);
-    if (kind == detail::FdKind::Bad) return -EBADF;
-    if (kind == detail::FdKind::File) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
+    const int on_ring = detail::ring_positional(fd);
+    if (on_ring < 0) return on_ring;
+    if (on_ring) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_read(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
   if (f != nullptr) return detail::offload(fd, [&](int d) { return raw::pread(d, buf, n, off); });
   return raw::pread(fd, buf, n, off);
@@ -539,12 +546,9 @@ ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline dl) noexce
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   if (detail::path_of(f, dl) == Path::Uring) {
-    // The ring's READ/WRITE ignore the offset on a descriptor without a position (a socket, a
-    // pipe, an eventfd) and take or add stream data: only regular files and block devices go
-    // there; the rest get the kernel's own answer (ESPIPE, or /dev/zero's data) below.
-    const detail::FdKind kind = detail::classify(fd);
-    if (kind == detail::FdKind::Bad) return -EBADF;
-    if (kind == detail::FdKind::File) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
+    const int on_ring = detail::ring_positional(fd);
+    if (on_ring < 0) return on_ring;
+    if (on_ring) return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_write(s, fd, buf, static_cast<unsigned>(n), static_cast<uint64_t>(off)); });
   }
   if (f != nullptr) return detail::offload(fd, [&](int d) { return raw::pwrite(d, buf, n, off); });
   return raw::pwrite(fd, buf, n, off);

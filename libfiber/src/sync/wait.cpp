@@ -123,8 +123,8 @@ void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
     return;
   }
   // Parking first: once the new (gen, Pending) word is published a waker (or a cancel) may claim
-  // it and unpark us at once, and unpark requires Parking or Parked. The CAS below is a release,
-  // so whoever reads the new word also sees this store.
+  // it and unpark us at once, and unpark requires Parking or Parked. The store (or CAS) below is
+  // a release, so whoever reads the new word also sees this one.
   f->state.store(FiberState::Parking, std::memory_order_relaxed);
   // Only this fiber changes the generation. Wakers only claim a Pending wait of the current
   // generation, and the previous wait is no longer Pending (it ended by a claim), so nothing
