@@ -1429,6 +1429,42 @@ TEST_CASE("io: one byte for two fibers reading a blocking tty: one gets it, the 
   });
 }
 
+TEST_CASE("io: a fiber's tty write blocked for room does not hold up its processor") {
+  // A fiber writes more than a pty holds to its master; a fiber of the same scheduler reads it
+  // from the slave. At one processor the reader runs only if the write parks its fiber, not the
+  // processor's thread (in io_uring_enter, where the ring makes a tty's write blocking once its
+  // own poll says there is room). If the reader is not done in time, a plain thread drains the
+  // slave, so that a failure ends.
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        Pty pty = raw_pty();
+        const std::vector<char> big(1 << 20, 'a');
+        auto writer = fiber::spawn({.scheduler = &s}, [&] { return io::write(pty.master.get(), big.data(), big.size(), patience()); });
+        std::atomic<bool> read_all{false};
+        auto reader = fiber::spawn({.scheduler = &s}, [&] {
+          std::vector<char> sink(64 * 1024);
+          size_t got = 0;
+          while (got < big.size()) {
+            const ssize_t r = io::read(pty.slave.get(), sink.data(), sink.size(), patience());
+            if (r <= 0) break;
+            got += static_cast<size_t>(r);
+          }
+          read_all = got == big.size();
+          return got;
+        });
+        const bool in_time = wait_for([&] { return read_all.load(); }, patience());
+        CHECK_MESSAGE(in_time, "the write holds its processor's thread");
+        if (!in_time) {  // drain until the write ends: until the slave stays empty a while
+          std::vector<char> sink(64 * 1024);
+          pollfd p{pty.slave.get(), POLLIN, 0};
+          while (::poll(&p, 1, 500) > 0 && ::read(pty.slave.get(), sink.data(), sink.size()) > 0) {}
+        }
+        CHECK(writer.join() == static_cast<ssize_t>(big.size()));
+        (void)reader.join();
+      },
+      {1, 2});
+}
+
 TEST_CASE("io: a tty write blocked for room does not hold up a read of the same descriptor") {
   // A plain thread's write (with a deadline, so on the readiness path) to a pty's master blocks
   // until the slave side reads; meanwhile a byte arrives for the master. A fiber's read of it

@@ -189,8 +189,14 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
 
 // ------------------------------------------------------------------------------ readiness path
 
-// epoll engine: parks until `fd` is ready for `events`. 0, or -errno.
+// Parks until `fd` is ready for `events` (poll(2) bits, which are epoll's). 0, or -errno;
+// -EPERM where the engine cannot watch the descriptor (a regular file, /dev/null).
 int wait_ready_fiber(int fd, uint32_t events, const io::Deadline& dl) noexcept {
+  if (current_processor()->poller().kind() == PollerKind::Uring) {
+    const auto rc = ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_poll_add(s, fd, events & 0xffff); });
+    if (rc == -EINVAL) return -EPERM;  // no poll there: the ring says EINVAL where epoll says EPERM
+    return rc > 0 ? 0 : static_cast<int>(rc);  // ERR/HUP/NVAL: the call will say what
+  }
   IoOp op;
   op.fd = fd;
   op.events = events;
@@ -349,19 +355,29 @@ int ring_positional(int fd) noexcept {
   return kind == FdKind::File ? 1 : 0;
 }
 
+// Whether the ring's own read or write suits a descriptor of this kind. Not for the rest (a
+// tty, a pipe, an eventfd): the ring makes the call without IOCB_NOWAIT on a file that lacks it
+// (a tty) once a poll of its own says ready - on the processor's thread, in io_uring_enter. Two
+// fibers woken by one byte then both read, and the second blocks its processor in the kernel's
+// tty_read, deaf to cancels, deadlines and io::close; a write blocks it until all is written.
+// Those take the readiness path, which waits with a ring poll and calls only when the call cannot
+// block (transfer_ready). -EBADF's kind goes there too, to fail.
+bool ring_transfers(FdKind kind) noexcept { return kind == FdKind::Socket || kind == FdKind::File; }
+
 bool is_nonblocking(int fd) noexcept {
   const int fl = raw::fcntl(fd, F_GETFL);
   return fl >= 0 && (fl & O_NONBLOCK) != 0;
 }
 
-// The readiness path of a transfer: `sock` is the socket form (MSG_DONTWAIT, never blocks),
-// `plain(d)` the call for other descriptors on descriptor d (made once the descriptor is ready,
-// or directly for regular files, which are always ready), `nowait` its RWF_NOWAIT form (-EAGAIN
-// rather than blocking, where the file supports it: pipes and FIFOs; else -EOPNOTSUPP).
+// The readiness path of a transfer on `fd`, of kind `kind` (classify): `sock` is the socket form
+// (MSG_DONTWAIT, never blocks), `plain(d)` the call for other descriptors on descriptor d (made
+// once the descriptor is ready, or directly for regular files, which are always ready), `nowait`
+// its RWF_NOWAIT form (-EAGAIN rather than blocking, where the file supports it: pipes and FIFOs;
+// else -EOPNOTSUPP).
 template <typename Sock, typename Plain, typename NoWait>
-ssize_t transfer_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, Sock&& sock, Plain&& plain,
-                       NoWait&& nowait) noexcept {
-  switch (classify(fd)) {
+ssize_t transfer_ready(const Fiber* f, int fd, FdKind kind, uint32_t events, const io::Deadline& dl, Sock&& sock,
+                       Plain&& plain, NoWait&& nowait) noexcept {
+  switch (kind) {
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
     case FdKind::File: return f ? offload(fd, plain) : plain(fd);
@@ -487,18 +503,16 @@ ssize_t readv(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
   if (detail::bad_iov(iovcnt)) return -EINVAL;
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
-  switch (detail::path_of(f, dl)) {
-    case Path::Uring:
-      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_readv(s, fd, iov, static_cast<unsigned>(iovcnt), -1); });
-    case Path::Ready: {
-      msghdr m = detail::iov_msg(iov, iovcnt);
-      return detail::transfer_ready(
-          f, fd, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); }, [&](int d) { return raw::readv(d, iov, iovcnt); },
-          [&] { return raw::preadv2(fd, iov, iovcnt, RWF_NOWAIT); });
-    }
-    case Path::Thread: break;
+  const Path path = detail::path_of(f, dl);
+  if (path == Path::Thread) return raw::readv(fd, iov, iovcnt);
+  const detail::FdKind kind = detail::classify(fd);
+  if (path == Path::Uring && detail::ring_transfers(kind)) {
+    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_readv(s, fd, iov, static_cast<unsigned>(iovcnt), -1); });
   }
-  return raw::readv(fd, iov, iovcnt);
+  msghdr m = detail::iov_msg(iov, iovcnt);
+  return detail::transfer_ready(
+      f, fd, kind, EPOLLIN, dl, [&] { return raw::recvmsg(fd, &m, MSG_DONTWAIT); },
+      [&](int d) { return raw::readv(d, iov, iovcnt); }, [&] { return raw::preadv2(fd, iov, iovcnt, RWF_NOWAIT); });
 }
 
 ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
@@ -506,24 +520,26 @@ ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline dl) noexcept {
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   msghdr m = detail::iov_msg(iov, iovcnt);
-  switch (detail::path_of(f, dl)) {
-    case Path::Uring: {
-      // Sockets: straight into the send buffer when it has room (no park), MSG_NOSIGNAL always.
-      const ssize_t r = raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (r == -EAGAIN) {
-        return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, &m, MSG_NOSIGNAL); });
-      }
-      if (r != -ENOTSOCK) return r;
-      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_writev(s, fd, iov, static_cast<unsigned>(iovcnt), -1); });
-    }
-    case Path::Ready:
-      return detail::transfer_ready(
-          f, fd, EPOLLOUT, dl, [&] { return raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL); },
-          [&](int d) { return raw::writev(d, iov, iovcnt); }, [&] { return raw::pwritev2(fd, iov, iovcnt, RWF_NOWAIT); });
-    case Path::Thread: break;
+  const Path path = detail::path_of(f, dl);
+  if (path == Path::Thread) {
+    const ssize_t r = raw::sendmsg(fd, &m, MSG_NOSIGNAL);
+    return r == -ENOTSOCK ? raw::writev(fd, iov, iovcnt) : r;
   }
-  const ssize_t r = raw::sendmsg(fd, &m, MSG_NOSIGNAL);
-  return r == -ENOTSOCK ? raw::writev(fd, iov, iovcnt) : r;
+  if (path == Path::Uring) {
+    // Sockets: straight into the send buffer when it has room (no park), MSG_NOSIGNAL always.
+    const ssize_t r = raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (r == -EAGAIN) {
+      return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_sendmsg(s, fd, &m, MSG_NOSIGNAL); });
+    }
+    if (r != -ENOTSOCK) return r;
+  }
+  const detail::FdKind kind = detail::classify(fd);
+  if (path == Path::Uring && detail::ring_transfers(kind)) {
+    return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_writev(s, fd, iov, static_cast<unsigned>(iovcnt), -1); });
+  }
+  return detail::transfer_ready(
+      f, fd, kind, EPOLLOUT, dl, [&] { return raw::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL); },
+      [&](int d) { return raw::writev(d, iov, iovcnt); }, [&] { return raw::pwritev2(fd, iov, iovcnt, RWF_NOWAIT); });
 }
 
 ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline dl) noexcept {
