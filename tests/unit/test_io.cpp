@@ -22,6 +22,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -1665,7 +1666,7 @@ TEST_CASE("io: recv with MSG_WAITALL waits for all n bytes, or returns what came
   });
 }
 
-TEST_CASE("io: on descriptors epoll cannot watch (a directory, /dev/null, /dev/zero) the calls give the system call's answer") {
+TEST_CASE("io: on descriptors epoll cannot watch (a directory, /dev/null, /dev/zero) or read (an epoll set) the calls give the system call's answer") {
   auto body = [] {
     Fd dir(::open("/tmp", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     REQUIRE(dir.get() >= 0);
@@ -1684,6 +1685,12 @@ TEST_CASE("io: on descriptors epoll cannot watch (a directory, /dev/null, /dev/z
     CHECK(io::read(null_dev.get(), buf, sizeof buf, patience()) == 0);
     CHECK(io::write(null_dev.get(), "abc", 3, patience()) == 3);
     CHECK(io::read(zero_dev.get(), buf, sizeof buf, patience()) == static_cast<ssize_t>(sizeof buf));
+    // No read or write method at all: read(2) says EINVAL at once (the ring's own read would
+    // wait for ever, its poll never ready).
+    Fd ep(::epoll_create1(EPOLL_CLOEXEC));
+    REQUIRE(ep.get() >= 0);
+    CHECK(io::read(ep.get(), buf, sizeof buf, patience()) == -EINVAL);
+    CHECK(io::write(ep.get(), "abc", 3, patience()) == -EINVAL);
   };
   for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); }, {1, 2});
   SUBCASE("plain thread") { run_on_thread(body); }
