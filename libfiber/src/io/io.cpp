@@ -189,12 +189,30 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
 
 // ------------------------------------------------------------------------------ readiness path
 
+// Whether epoll can watch `fd`: false for a file without a poll method (a regular file,
+// /dev/null, /dev/hwrng), which poll(2) calls always ready. Asked of a process-wide epoll set
+// nothing ever waits on: two system calls. Errors other than EPERM say true, leaving the answer
+// to the wait (EBADF) or, where this set is full or could not be made, to the ring's poll.
+bool epoll_watchable(int fd) noexcept {
+  static const int probe = static_cast<int>(raw::ret(::syscall(SYS_epoll_create1, EPOLL_CLOEXEC)));
+  if (probe < 0) return true;
+  epoll_event ev{};
+  // EEXIST: another thread's probe of the same file, between its ADD and DEL: watchable.
+  if (::syscall(SYS_epoll_ctl, probe, EPOLL_CTL_ADD, fd, &ev) != 0) return raw::last_errno() != EPERM;
+  ::syscall(SYS_epoll_ctl, probe, EPOLL_CTL_DEL, fd, &ev);
+  return true;
+}
+
 // Parks until `fd` is ready for `events` (poll(2) bits, which are epoll's). 0, or -errno;
-// -EPERM where the engine cannot watch the descriptor (a regular file, /dev/null).
-int wait_ready_fiber(int fd, uint32_t events, const io::Deadline& dl) noexcept {
+// -EPERM where the engine cannot watch the descriptor (a regular file, /dev/null). The ring's
+// poll of such a file does not say so: it completes at once, ready for what poll(2) would
+// report (input and output). `probe`: find that out first (a character device, where a call
+// made on that false readiness could block the processor's thread).
+int wait_ready_fiber(int fd, uint32_t events, const io::Deadline& dl, bool probe) noexcept {
   if (current_processor()->poller().kind() == PollerKind::Uring) {
+    if (probe && !epoll_watchable(fd)) return -EPERM;
     const auto rc = ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_poll_add(s, fd, events & 0xffff); });
-    if (rc == -EINVAL) return -EPERM;  // no poll there: the ring says EINVAL where epoll says EPERM
+    if (rc == -EINVAL) return -EPERM;  // events a file without a poll method never has
     return rc > 0 ? 0 : static_cast<int>(rc);  // ERR/HUP/NVAL: the call will say what
   }
   IoOp op;
@@ -237,11 +255,11 @@ int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept 
   }
 }
 
-int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl) noexcept {
+int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool probe = false) noexcept {
   // poll() skips a negative descriptor (it would wait out the deadline) and the epoll engine
   // indexes its table with it.
   if (fd < 0) return -EBADF;
-  return f ? wait_ready_fiber(fd, events, dl) : wait_ready_thread(fd, events, dl);
+  return f ? wait_ready_fiber(fd, events, dl, probe) : wait_ready_thread(fd, events, dl);
 }
 
 // Calls `attempt` until it gives something other than EAGAIN, waiting for readiness between
@@ -249,9 +267,10 @@ int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl) 
 // `unpollable`: what to do when epoll cannot watch `fd` (a directory, some character devices).
 // poll(2) calls such a file always ready, so by default the call is made and gives its own
 // answer; a call that could block its thread there is better sent elsewhere (transfer_ready).
+// `probe`: see wait_ready_fiber.
 template <typename Attempt, typename Unpollable>
 ssize_t ready_loop_or(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool ready_first,
-                      Attempt&& attempt, Unpollable&& unpollable) noexcept {
+                      Attempt&& attempt, Unpollable&& unpollable, bool probe = false) noexcept {
   for (;;) {
     if (!ready_first) {
       const ssize_t r = attempt();
@@ -262,7 +281,7 @@ ssize_t ready_loop_or(const Fiber* f, int fd, uint32_t events, const io::Deadlin
       if (dl.expired()) return -ETIMEDOUT;
     }
     ready_first = false;
-    if (const int rc = wait_ready(f, fd, events, dl); rc < 0) {
+    if (const int rc = wait_ready(f, fd, events, dl, probe); rc < 0) {
       if (rc == -EPERM) return unpollable();
       return rc;
     }
@@ -271,8 +290,8 @@ ssize_t ready_loop_or(const Fiber* f, int fd, uint32_t events, const io::Deadlin
 
 template <typename Attempt>
 ssize_t ready_loop(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool ready_first,
-                   Attempt&& attempt) noexcept {
-  return ready_loop_or(f, fd, events, dl, ready_first, attempt, attempt);
+                   Attempt&& attempt, bool probe = false) noexcept {
+  return ready_loop_or(f, fd, events, dl, ready_first, attempt, attempt, probe);
 }
 
 // io::poll on a descriptor the engine cannot watch (a regular file, /dev/null: epoll says EPERM,
@@ -335,14 +354,16 @@ ssize_t offload(int fd, Call&& call) noexcept {
   return r;
 }
 
-enum class FdKind { Socket, File, Other, Bad };
+// Device: a character device (a tty, /dev/null), which may have no poll method; Other: the
+// rest (pipes, FIFOs, eventfd, timerfd, directories...).
+enum class FdKind { Socket, File, Device, Other, Bad };
 
 FdKind classify(int fd) noexcept {
   struct stat st;
   if (fstat(fd, &st) != 0) return FdKind::Bad;
   if (S_ISSOCK(st.st_mode)) return FdKind::Socket;
   if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode)) return FdKind::File;
-  return FdKind::Other;
+  return S_ISCHR(st.st_mode) ? FdKind::Device : FdKind::Other;
 }
 
 // Whether a positional call on `fd` goes to the ring: 1 for a regular file or a block device; 0
@@ -381,9 +402,11 @@ ssize_t transfer_ready(const Fiber* f, int fd, FdKind kind, uint32_t events, con
     case FdKind::Bad: return -EBADF;
     case FdKind::Socket: return ready_loop(f, fd, events, dl, false, sock);
     case FdKind::File: return f ? offload(fd, plain) : plain(fd);
+    case FdKind::Device:
     case FdKind::Other: {
+      const bool probe = kind == FdKind::Device;
       const auto here = [&] { return plain(fd); };
-      if (is_nonblocking(fd)) return ready_loop(f, fd, events, dl, false, here);
+      if (is_nonblocking(fd)) return ready_loop(f, fd, events, dl, false, here, probe);
       // Blocking: readiness does not make the plain call safe (a pipe write waits for room for
       // all of it, stalling the processor or outliving the deadline). Try without blocking.
       const ssize_t r = nowait();
@@ -398,10 +421,10 @@ ssize_t transfer_ready(const Fiber* f, int fd, FdKind kind, uint32_t events, con
         // Waits first: a device epoll cannot watch must be found out before any call.
         return ready_loop_or(
             f, fd, events, dl, true, [&] { return call_when_ready(fd, pev, here); },
-            [&] { return f != nullptr ? offload(fd, plain) : here(); });
+            [&] { return f != nullptr ? offload(fd, plain) : here(); }, probe);
       }
       if (r != -EAGAIN) return r;
-      return ready_loop(f, fd, events, dl, true, nowait);
+      return ready_loop(f, fd, events, dl, true, nowait, probe);
     }
   }
   return -EBADF;
