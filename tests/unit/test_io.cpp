@@ -1430,6 +1430,23 @@ TEST_CASE("io: one byte for two fibers reading a blocking tty: one gets it, the 
   });
 }
 
+TEST_CASE("io: one byte for two fibers reading a blocking pipe: one gets it, the other keeps waiting") {
+  // Pipes stay on the ring's own read where they take RWF_NOWAIT: the ring then retries a read
+  // that finds the byte gone without blocking, so the loser waits in the ring, cancellable.
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    int fds[2];
+    REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+    Fd in(fds[0]), out(fds[1]);
+    expect_one_winner(
+        s,
+        [&]() -> ssize_t {
+          char c;
+          return io::read(in.get(), &c, 1, patience());
+        },
+        [&] { REQUIRE(::write(out.get(), "x", 1) == 1); });
+  });
+}
+
 TEST_CASE("io: a fiber's tty write blocked for room does not hold up its processor") {
   // A fiber writes more than a pty holds to its master; a fiber of the same scheduler reads it
   // from the slave. At one processor the reader runs only if the write parks its fiber, not the
