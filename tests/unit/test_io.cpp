@@ -1626,10 +1626,21 @@ TEST_CASE("io: pread and pwrite on a socket or a pipe fail with ESPIPE and leave
   SUBCASE("plain thread") { run_on_thread(body); }
 }
 
-TEST_CASE("io: recv with MSG_WAITALL waits for all n bytes, or returns what came before end of stream or the deadline") {
+TEST_CASE("io: recv and recvmsg with MSG_WAITALL wait for all n bytes, or return what came before end of stream or the deadline") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
-    for (Where w : kBoth) {
+    for (const auto& [w, msg] : {std::pair{Where::fiber, false}, std::pair{Where::thread, false}, std::pair{Where::fiber, true},
+                                std::pair{Where::thread, true}}) {
       CAPTURE(where_name(w));
+      CAPTURE(msg);
+      // io::recv, or io::recvmsg into two buffers of 1 and n-1 bytes.
+      const auto recv = [msg](int fd, char* buf, size_t n, int flags, io::Deadline dl) -> ssize_t {
+        if (!msg) return io::recv(fd, buf, n, flags, dl);
+        iovec iov[2] = {{buf, 1}, {buf + 1, n - 1}};
+        msghdr m{};
+        m.msg_iov = iov;
+        m.msg_iovlen = 2;
+        return io::recvmsg(fd, &m, flags, dl);
+      };
       // Half now, half once the call waits.
       {
         SocketPair p = tcp_pair();
@@ -1639,7 +1650,7 @@ TEST_CASE("io: recv with MSG_WAITALL waits for all n bytes, or returns what came
         team.spawn(w, s, [&] {
           char buf[8] = {};
           started = 1;
-          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 4);
+          CHECK(recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 4);
           CHECK(std::string(buf, 4) == "abcd");
         });
         let_it_park(started);
@@ -1653,12 +1664,12 @@ TEST_CASE("io: recv with MSG_WAITALL waits for all n bytes, or returns what came
         team.spawn(w, s, [&] {
           char buf[8] = {};
           REQUIRE(::send(p.b.get(), "ab", 2, MSG_NOSIGNAL) == 2);
-          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, 20ms) == 2);
+          CHECK(recv(p.a.get(), buf, 4, MSG_WAITALL, 20ms) == 2);
           REQUIRE(::send(p.b.get(), "cd", 2, MSG_NOSIGNAL) == 2);
           REQUIRE(::shutdown(p.b.get(), SHUT_WR) == 0);
-          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 2);
+          CHECK(recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 2);
           CHECK(std::string(buf, 2) == "cd");
-          CHECK(io::recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 0);
+          CHECK(recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 0);
         });
         team.join();
       }

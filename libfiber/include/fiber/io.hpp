@@ -70,7 +70,10 @@ FIBER_API ssize_t writev(int fd, const iovec* iov, int iovcnt, Deadline deadline
 FIBER_API ssize_t pread(int fd, void* buf, size_t n, off_t off, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline deadline = {}) noexcept;
 // recv(2)/send(2) and the msghdr forms; `flags` as for the system calls (MSG_NOSIGNAL is always
-// added to sends; MSG_DONTWAIT makes the call return -EAGAIN rather than wait).
+// added to sends; MSG_DONTWAIT makes the call return -EAGAIN rather than wait). MSG_WAITALL on a
+// stream socket waits for all n bytes, as the kernel's call does; end of stream, an error, the
+// deadline or a cancel after some data return the count so far (and for recvmsg, a part that
+// brings ancillary data is the last).
 FIBER_API ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline deadline = {}) noexcept;

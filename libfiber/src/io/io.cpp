@@ -27,6 +27,7 @@
 #include <cerrno>
 #include <climits>
 #include <new>
+#include <vector>
 
 #include "io/fd_table.hpp"
 #include "io/raw.hpp"
@@ -504,6 +505,53 @@ ssize_t recv_ready(const Fiber* f, int fd, void* buf, size_t n, int flags, const
   return static_cast<ssize_t>(got);
 }
 
+// The readiness path of recvmsg: MSG_WAITALL on a stream socket as recv_ready does it, the rest
+// received into the buffers past what came. Ancillary data ends it, as the kernel's AF_UNIX
+// receive stops after a part that carried passed descriptors: a part with some is the last
+// (and the first part's would leave the next no control buffer, its descriptors closed by the
+// kernel). So does a part ending at an urgent mark (MSG_OOB) or with its control cut (MSG_CTRUNC).
+ssize_t recvmsg_ready(const Fiber* f, int fd, msghdr* msg, int flags, const io::Deadline& dl) noexcept {
+  const auto once = [&] { return raw::recvmsg(fd, msg, flags | MSG_DONTWAIT); };
+  // A null msg: the kernel's EFAULT.
+  if ((flags & (MSG_WAITALL | MSG_PEEK)) != MSG_WAITALL || msg == nullptr) return ready_loop(f, fd, EPOLLIN, dl, false, once);
+  const size_t ctl = msg->msg_controllen;  // the call overwrites it with what it used
+  const ssize_t first = ready_loop(f, fd, EPOLLIN, dl, false, once);
+  if (first <= 0) return first;  // the kernel read msg and its buffers: from here they are sound
+  size_t total = 0;
+  for (size_t i = 0; i < msg->msg_iovlen; ++i) total += msg->msg_iov[i].iov_len;
+  if (static_cast<size_t>(first) == total || msg->msg_controllen > 0 || (msg->msg_flags & (MSG_CTRUNC | MSG_OOB)) != 0 ||
+      !is_stream_socket(fd)) {
+    return first;
+  }
+  std::vector<iovec> rest;
+  try {
+    rest.assign(msg->msg_iov, msg->msg_iov + msg->msg_iovlen);
+  } catch (...) {
+    return first;  // what came stands
+  }
+  auto got = static_cast<size_t>(first);
+  while (got < total) {
+    size_t skip = got;
+    size_t i = 0;
+    while (skip >= msg->msg_iov[i].iov_len) skip -= msg->msg_iov[i++].iov_len;  // got < total: stops inside one
+    rest[i] = {static_cast<char*>(msg->msg_iov[i].iov_base) + skip, msg->msg_iov[i].iov_len - skip};
+    msghdr part{};
+    part.msg_iov = rest.data() + i;
+    part.msg_iovlen = rest.size() - i;
+    part.msg_control = msg->msg_control;  // none used so far
+    part.msg_controllen = ctl;
+    const ssize_t r = ready_loop(f, fd, EPOLLIN, dl, false, [&] { return raw::recvmsg(fd, &part, flags | MSG_DONTWAIT); });
+    if (r <= 0) break;  // end of stream, an error, the deadline or a cancel: what came stands
+    got += static_cast<size_t>(r);
+    msg->msg_flags |= part.msg_flags;
+    if (part.msg_controllen > 0 || (part.msg_flags & (MSG_CTRUNC | MSG_OOB)) != 0) {
+      msg->msg_controllen = part.msg_controllen;
+      break;
+    }
+  }
+  return static_cast<ssize_t>(got);
+}
+
 // io::recv; `socket`: the caller knows fd is a socket (recv_socket).
 ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, bool socket) noexcept {
   if (bad_len(n)) return -EINVAL;
@@ -648,7 +696,7 @@ ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline dl) noexcept {
     case Path::Uring:
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recvmsg(s, fd, msg, static_cast<unsigned>(flags)); });
     case Path::Ready:
-      return detail::ready_loop(f, fd, EPOLLIN, dl, false, [&] { return raw::recvmsg(fd, msg, flags | MSG_DONTWAIT); });
+      return detail::recvmsg_ready(f, fd, msg, flags, dl);
     case Path::Thread: break;
   }
   return raw::recvmsg(fd, msg, flags);
