@@ -73,7 +73,8 @@ FIBER_API ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline 
 // added to sends; MSG_DONTWAIT makes the call return -EAGAIN rather than wait). MSG_WAITALL on a
 // stream socket waits for all n bytes, as the kernel's call does; end of stream, an error, the
 // deadline or a cancel after some data return the count so far (and for recvmsg, a part that
-// brings ancillary data is the last).
+// brings ancillary data is the last). With MSG_WAITALL, recvmsg reads *msg itself before the
+// first receive: msg must be null (-EFAULT) or point to a msghdr.
 FIBER_API ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline deadline = {}) noexcept;

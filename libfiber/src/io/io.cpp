@@ -191,17 +191,18 @@ ssize_t ring_op(int fd, const io::Deadline& dl, Prep&& prep, bool recv = false) 
 // ------------------------------------------------------------------------------ readiness path
 
 // Whether epoll can watch `fd`: false for a file without a poll method (a regular file,
-// /dev/null, /dev/hwrng), which poll(2) calls always ready. Asked of a process-wide epoll set
-// nothing ever waits on: two system calls. Errors other than EPERM say true, leaving the answer
-// to the wait (EBADF) or, where this set is full or could not be made, to the ring's poll.
+// /dev/null, /dev/hwrng), which poll(2) calls always ready. Asked of an epoll set made for the
+// question: three system calls, only where a character device is waited for. Not one kept for
+// good, whose number an application's close_range or double close could free for another
+// file. Errors other than EPERM say true, leaving the answer to the wait (EBADF) or, out of
+// descriptors, to the ring's poll.
 bool epoll_watchable(int fd) noexcept {
-  static const int probe = static_cast<int>(raw::ret(::syscall(SYS_epoll_create1, EPOLL_CLOEXEC)));
+  const int probe = static_cast<int>(raw::ret(::syscall(SYS_epoll_create1, EPOLL_CLOEXEC)));
   if (probe < 0) return true;
   epoll_event ev{};
-  // EEXIST: another thread's probe of the same file, between its ADD and DEL: watchable.
-  if (::syscall(SYS_epoll_ctl, probe, EPOLL_CTL_ADD, fd, &ev) != 0) return raw::last_errno() != EPERM;
-  ::syscall(SYS_epoll_ctl, probe, EPOLL_CTL_DEL, fd, &ev);
-  return true;
+  const bool watchable = ::syscall(SYS_epoll_ctl, probe, EPOLL_CTL_ADD, fd, &ev) == 0 || raw::last_errno() != EPERM;
+  raw::close(probe);  // and with it the registration
+  return watchable;
 }
 
 // Parks until `fd` is ready for `events` (poll(2) bits, which are epoll's). 0, or -errno;
@@ -361,9 +362,13 @@ enum class FdKind { Socket, File, Device, Pipe, Other, Bad };
 
 FdKind classify(int fd) noexcept {
   struct stat st;
-  // fstat(2) itself: glibc's fstat is newfstatat(fd, "", AT_EMPTY_PATH), a path walk that costs
-  // some 100 ns more here, and this runs on every ring read.
+  // fstat(2) itself where the architecture has it: glibc's fstat is newfstatat(fd, "",
+  // AT_EMPTY_PATH), a path walk that costs some 100 ns more here, on every ring read.
+#if defined(SYS_fstat) && defined(__LP64__)
   if (::syscall(SYS_fstat, fd, &st) != 0) return FdKind::Bad;
+#else
+  if (::fstat(fd, &st) != 0) return FdKind::Bad;
+#endif
   if (S_ISSOCK(st.st_mode)) return FdKind::Socket;
   if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode)) return FdKind::File;
   if (S_ISFIFO(st.st_mode)) return FdKind::Pipe;
