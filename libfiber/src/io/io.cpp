@@ -401,7 +401,7 @@ int ring_positional(int fd) noexcept {
 }
 
 // Whether the ring's own read or write suits a descriptor of this kind: sockets, files and (where
-// they take IOCB_NOWAIT, as since Linux 5.x) pipes. Not for the rest (a tty, an eventfd): the
+// they take IOCB_NOWAIT: pipes_nowait) pipes. Not for the rest (a tty, an eventfd): the
 // ring makes the call without IOCB_NOWAIT on a file that lacks it (a tty) once a poll of its own
 // says ready - on the processor's thread, in io_uring_enter. Two fibers woken by one byte then
 // both read, and the second blocks its processor in the kernel's tty_read, deaf to cancels,
