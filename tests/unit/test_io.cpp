@@ -1371,6 +1371,18 @@ void expect_one_winner(fiber::Scheduler& s, const std::function<ssize_t()>& call
   CHECK(cancelled == (loser_ended ? 1 : 0));
 }
 
+// expect_one_winner for two fibers reading one byte from `in`, which a write of one byte to
+// `out` makes readable.
+void expect_one_byte_winner(fiber::Scheduler& s, int in, int out) {
+  expect_one_winner(
+      s,
+      [in]() -> ssize_t {
+        char c;
+        return io::read(in, &c, 1, patience());
+      },
+      [out] { REQUIRE(::write(out, "x", 1) == 1); });
+}
+
 // A pseudo-terminal in raw mode: a descriptor without RWF_NOWAIT, which the epoll engine reads
 // only once a poll says it is ready.
 struct Pty {
@@ -1418,15 +1430,7 @@ TEST_CASE("io: one byte for two fibers reading a blocking tty: one gets it, the 
   // a poll says it is ready.
   for_each_proc_count([](fiber::Scheduler& s, int) {
     Pty pty = raw_pty();
-    Fd& master = pty.master;
-    Fd& slave = pty.slave;
-    expect_one_winner(
-        s,
-        [&]() -> ssize_t {
-          char c;
-          return io::read(master.get(), &c, 1, patience());
-        },
-        [&] { REQUIRE(::write(slave.get(), "x", 1) == 1); });
+    expect_one_byte_winner(s, pty.master.get(), pty.slave.get());
   });
 }
 
@@ -1437,13 +1441,7 @@ TEST_CASE("io: one byte for two fibers reading a blocking pipe: one gets it, the
     int fds[2];
     REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
     Fd in(fds[0]), out(fds[1]);
-    expect_one_winner(
-        s,
-        [&]() -> ssize_t {
-          char c;
-          return io::read(in.get(), &c, 1, patience());
-        },
-        [&] { REQUIRE(::write(out.get(), "x", 1) == 1); });
+    expect_one_byte_winner(s, in.get(), out.get());
   });
 }
 
