@@ -819,51 +819,12 @@ ssize_t pwrite64(int fd, const void* buf, size_t n, off_t off) { return pwrite(f
 
 namespace {
 
-// poll(2) inside a fiber, `timeout_ns` < 0 for none. One descriptor waits on the engine; several
-// wait on a blocking-offload helper thread (the fiber parks either way).
+// poll(2) inside a fiber, `timeout_ns` < 0 for none; io::poll's wait, which a cancel ends too.
 int fiber_poll(struct pollfd* fds, nfds_t n, int64_t timeout_ns) noexcept {
-  if (n == 0) {
-    if (timeout_ns < 0) timeout_ns = INT64_MAX / 2;
-    try {
-      fiber::this_fiber::sleep_for(std::chrono::nanoseconds(timeout_ns));
-    } catch (const fiber::Cancelled&) {
-      set_errno(EINTR);
-      return -1;
-    }
-    return 0;
-  }
-  if (n == 1) {
-    fds[0].revents = 0;
-    if (fds[0].fd < 0) {  // ignored entry: nothing can happen but the timeout
-      return fiber_poll(nullptr, 0, timeout_ns);
-    }
-    // timeout_ns is never 0 here (poll, ppoll and select make the real call for that), so
-    // deadline_of's "<= 0: none" reads as "< 0: wait for ever".
-    const int r = fiber::io::poll(fds[0].fd, fds[0].events, deadline_of(timeout_ns));
-    if (r == -ETIMEDOUT) return 0;
-    if (r == -EBADF) {
-      fds[0].revents = POLLNVAL;
-      return 1;
-    }
-    if (r < 0) return finish(r);
-    fds[0].revents = static_cast<short>(r);
-    return 1;
-  }
-  try {
-    // ppoll, not poll: a timeout in ms would not fit an int beyond 24 days.
-    const timespec ts{static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)};
-    int err = 0;
-    const int r = fiber::blocking([&] {
-      const int rc = real_ppoll(fds, n, timeout_ns < 0 ? nullptr : &ts, nullptr);
-      if (rc < 0) err = errno;
-      return rc;
-    });
-    if (r < 0) set_errno(err);
-    return r;
-  } catch (...) {
-    set_errno(EINTR);
-    return -1;
-  }
+  // timeout_ns is never 0 here (poll, ppoll and select make the real call for that), so
+  // deadline_of's "<= 0: none" reads as "< 0: wait for ever".
+  const int r = fiber::io::poll(fds, n, deadline_of(timeout_ns));
+  return r == -ETIMEDOUT ? 0 : finish(r);
 }
 
 // select's sets as the kernel reads poll's answer (fs/select.c: POLLIN_SET, POLLOUT_SET,

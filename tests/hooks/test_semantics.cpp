@@ -630,6 +630,38 @@ TEST_CASE("semantics: a cancelled fiber's sleep ends with EINTR and the time lef
   });
 }
 
+TEST_CASE("semantics: a cancelled fiber's poll, ppoll or select over several descriptors ends with ECANCELED") {
+  // Before, several descriptors waited in the kernel's poll on a helper thread, which no cancel
+  // reached: the fiber (and Scheduler::stop) waited for a descriptor or the timeout.
+  on_fiber(2, [] {
+    Pair p = make_pipe();
+    Pair q = make_socketpair();
+    const int nfds = std::max(p.a.get(), q.a.get()) + 1;
+    for (int kind = 0; kind < 3; ++kind) {
+      CAPTURE(kind);
+      std::atomic<bool> entering{false};
+      auto h = fiber::spawn([&] {
+        pollfd set[2] = {{p.a, POLLIN, 0}, {q.a, POLLIN, 0}};
+        fd_set rd;
+        FD_ZERO(&rd);
+        FD_SET(p.a, &rd);
+        FD_SET(q.a, &rd);
+        entering = true;
+        return call([&] {
+          if (kind == 0) return ::poll(set, 2, -1);
+          if (kind == 1) return ::ppoll(set, 2, nullptr, nullptr);
+          return ::select(nfds, &rd, nullptr, nullptr, nullptr);
+        });
+      });
+      REQUIRE(wait_for([&] { return entering.load(); }));
+      fiber::this_fiber::sleep_for(20ms);
+      h.cancel();
+      const Res r = h.join();
+      CHECK_MESSAGE((r.r == -1 && r.e == ECANCELED), "gave " << r.r << " errno " << err_str(r.e));
+    }
+  });
+}
+
 // ================================================================================ signals
 
 namespace {
@@ -986,22 +1018,23 @@ TEST_CASE("semantics: select never returns 0 early; exceptfds is POLLPRI, a hang
     CHECK(FD_ISSET(hup.a, &ws));
     CHECK_FALSE(FD_ISSET(hup.a, &rs));
     CHECK_FALSE(FD_ISSET(q.a, &rs));
-    // Urgent data is what exceptfds reports. (Already there: the io_uring engine's wait for
-    // POLLPRI alone is not woken by its arrival - libfiber's to mend, see fiber::io::poll.)
+    // Urgent data is what exceptfds reports, and its arrival ends the wait. (The io_uring
+    // engine's poll for POLLPRI alone once missed it.)
     Listener l = tcp_listener();
     Fd cl(::socket(AF_INET, SOCK_STREAM, 0));
     REQUIRE(::connect(cl, sa(l.addr), sizeof l.addr) == 0);
     Fd sv(::accept(l.fd, nullptr, nullptr));
     REQUIRE(sv >= 0);
-    REQUIRE(::send(cl, "!", 1, MSG_OOB) == 1);
-    pollfd urgent{sv, POLLPRI, 0};
-    REQUIRE(::poll(&urgent, 1, 5'000) == 1);  // arrived
     FD_ZERO(&ex);
     FD_SET(sv, &ex);
     timeval tv3{5, 0};
-    const Res u = call([&] { return ::select(sv + 1, nullptr, nullptr, &ex, &tv3); });
-    CHECK(u.r == 1);
+    std::atomic<ssize_t> sent{0};
+    auto u = parked_call([&] { return call([&] { return ::select(sv + 1, nullptr, nullptr, &ex, &tv3); }); },
+                         [&] { sent = ::send(cl, "!", 1, MSG_OOB); });
+    REQUIRE(sent.load() == 1);
+    CHECK_MESSAGE(u.value.r == 1, "select for urgent data gave " << u.value.r << " errno " << err_str(u.value.e));
     CHECK(FD_ISSET(sv, &ex));
+    CHECK(u.parked);
   });
 }
 

@@ -44,6 +44,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "io/blocking_pool.hpp"  // the pool's state, for the test of io::close and queued file calls
@@ -1838,6 +1839,141 @@ TEST_CASE("io: poll woken with the data already taken by another fiber waits aga
     REQUIRE(::send(b.get(), "2", 1, MSG_NOSIGNAL) == 1);  // for a poller still waiting
     poller.join();
   }
+}
+
+TEST_CASE("io: poll over several descriptors waits for the first one ready and reports each as poll(2) does") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    int fds[2];
+    REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+    Fd in(fds[0]);
+    Fd out(fds[1]);
+    SocketPair q = tcp_pair();
+    char path[] = "/tmp/fiber_test_io_XXXXXX";
+    Fd file(::mkstemp(path));
+    REQUIRE(file.get() >= 0);
+    ::unlink(path);
+    // Nothing ready: a pipe and a socket not yet written to, a skipped entry, a regular file asked
+    // only for what it never has (the engine cannot watch it), and the socket again for urgent
+    // data. Data on the socket ends the wait, and only its entry reports it.
+    {
+      pollfd set[5] = {{in.get(), POLLIN, 0}, {q.a.get(), POLLPRI, 0}, {-1, POLLIN, 0}, {file.get(), POLLPRI, 0},
+                       {q.a.get(), POLLIN, 0}};
+      std::atomic<int> started{0};
+      std::atomic<bool> returned{false};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        started = 1;
+        const int r = io::poll(set, 5, patience());
+        returned = true;
+        return r;
+      });
+      let_it_park(started);
+      CHECK_MESSAGE(!returned.load(), "poll returned with nothing ready");
+      REQUIRE(::send(q.b.get(), "x", 1, MSG_NOSIGNAL) == 1);
+      CHECK(h.join() == 1);
+      CHECK(set[0].revents == 0);
+      CHECK(set[1].revents == 0);
+      CHECK(set[2].revents == 0);
+      CHECK(set[3].revents == 0);
+      CHECK(set[4].revents == POLLIN);
+      char c;
+      REQUIRE(::recv(q.a.get(), &c, 1, 0) == 1);
+    }
+    // Urgent data, for a wait on POLLPRI alone: over several descriptors and on one.
+    for (const nfds_t n : {nfds_t{2}, nfds_t{1}}) {
+      CAPTURE(n);
+      pollfd set[2] = {{q.a.get(), POLLPRI, 0}, {in.get(), POLLIN, 0}};
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        started = 1;
+        return io::poll(set, n, patience());
+      });
+      let_it_park(started);
+      REQUIRE(::send(q.b.get(), "!", 1, MSG_OOB | MSG_NOSIGNAL) == 1);
+      CHECK(h.join() == 1);
+      CHECK(set[0].revents == POLLPRI);
+      char c;
+      REQUIRE(::recv(q.a.get(), &c, 1, MSG_OOB) == 1);
+    }
+    // The deadline, with descriptors, with none, and with only skipped ones.
+    auto timed = fiber::spawn({.scheduler = &s}, [&] {
+      pollfd set[2] = {{in.get(), POLLIN, 0}, {q.a.get(), POLLIN, 0}};
+      pollfd skipped{-1, POLLIN, 0};
+      return std::vector<int>{io::poll(set, 2, 20ms), io::poll(nullptr, 0, 20ms), io::poll(&skipped, 1, 20ms)};
+    });
+    for (const int r : timed.join()) CHECK(r == -ETIMEDOUT);
+    // A closed descriptor is POLLNVAL at once; ready ones are all reported.
+    int closed;
+    {
+      Fd gone = tcp_socket();
+      closed = gone.get();
+    }
+    REQUIRE(::write(out.get(), "p", 1) == 1);
+    auto nval = fiber::spawn({.scheduler = &s}, [&] {
+      pollfd set[3] = {{closed, POLLIN, 0}, {q.a.get(), POLLIN, 0}, {in.get(), POLLIN, 0}};
+      const int r = io::poll(set, 3, patience());
+      CHECK(set[0].revents == POLLNVAL);
+      CHECK(set[1].revents == 0);
+      CHECK(set[2].revents == POLLIN);
+      return r;
+    });
+    CHECK(nval.join() == 2);
+    char c;
+    REQUIRE(::read(in.get(), &c, 1) == 1);
+  });
+}
+
+TEST_CASE("io: a cancel ends poll over several descriptors, or none, with ECANCELED; Scheduler::stop ends it too") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    SocketPair p = tcp_pair();
+    SocketPair q = tcp_pair();
+    std::atomic<int> started{0};
+    auto many = fiber::spawn({.scheduler = &s}, [&] {
+      pollfd set[2] = {{p.a.get(), POLLIN, 0}, {q.a.get(), POLLIN, 0}};
+      started.fetch_add(1);
+      return io::poll(set, 2);
+    });
+    auto none = fiber::spawn({.scheduler = &s}, [&] {
+      started.fetch_add(1);
+      return io::poll(nullptr, 0);
+    });
+    let_it_park(started, 2);
+    many.cancel();
+    none.cancel();
+    CHECK(many.join() == -ECANCELED);
+    CHECK(none.join() == -ECANCELED);
+  });
+  // stop() cancels what is still alive: a poll with no deadline must not keep it waiting.
+  SocketPair p = tcp_pair();
+  SocketPair q = tcp_pair();
+  std::atomic<int> result{1};
+  std::atomic<int> started{0};
+  {
+    fiber::Scheduler s({.processors = 2, .name = "pollstop"});
+    fiber::spawn({.scheduler = &s}, [&] {
+      pollfd set[2] = {{p.a.get(), POLLIN, 0}, {q.a.get(), POLLIN, 0}};
+      started = 1;
+      result = io::poll(set, 2);
+    }).detach();
+    REQUIRE(wait_for([&] { return started.load() == 1; }));
+    std::this_thread::sleep_for(20ms);
+    s.stop();
+  }
+  CHECK(result.load() == -ECANCELED);
+}
+
+TEST_CASE("io: poll over several descriptors from a plain thread blocks until one is ready or the deadline") {
+  SocketPair p = tcp_pair();
+  SocketPair q = tcp_pair();
+  pollfd set[2] = {{p.a.get(), POLLIN, 0}, {q.a.get(), POLLIN, 0}};
+  CHECK(io::poll(set, 2, 20ms) == -ETIMEDOUT);
+  std::thread writer([&] {
+    std::this_thread::sleep_for(20ms);
+    ::send(q.b.get(), "t", 1, MSG_NOSIGNAL);
+  });
+  CHECK(io::poll(set, 2, patience()) == 1);
+  writer.join();
+  CHECK(set[0].revents == 0);
+  CHECK(set[1].revents == POLLIN);
 }
 
 TEST_CASE("io: a file write queued on the blocking pool lands in its own file, never the number's next, and io::close does not wait for it") {

@@ -30,6 +30,7 @@
 // Writes to a socket never raise SIGPIPE: a peer that has gone away gives -EPIPE.
 #pragma once
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -87,6 +88,16 @@ FIBER_API int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline 
 // Waits until `fd` is ready for `events` (POLLIN, POLLOUT, ...): the revents (> 0, as poll(2)
 // reports them, including POLLERR/POLLHUP/POLLNVAL), or -errno (-ETIMEDOUT, -ECANCELED, ...).
 FIBER_API int poll(int fd, short events, Deadline deadline = {}) noexcept;
+// poll(2) over `n` descriptors: waits until at least one is ready, fills every revents as poll(2)
+// does (a negative descriptor is skipped, an invalid one reports POLLNVAL), and returns how many
+// are ready (> 0); or -errno: -ETIMEDOUT, -ECANCELED, poll(2)'s -EFAULT, -EINVAL (n above
+// RLIMIT_NOFILE) and -ENOMEM. With n == 0 it waits for the deadline or a cancel. In a fiber,
+// several descriptors wait as one: a temporary epoll set of them, which the engine watches like
+// any descriptor (n + 2 system calls more than one descriptor's wait). Where no set can be made
+// (no descriptor left for it), poll(2) waits on the blocking-offload pool instead, and a cancel
+// does not end that wait. A descriptor closed while the call waits is not noticed, as with
+// poll(2).
+FIBER_API int poll(pollfd* fds, nfds_t n, Deadline deadline = {}) noexcept;
 // close(2). Fibers waiting in a call on `fd` first end with -EBADF; the descriptor is closed
 // once none of them still uses it. 0 or -errno.
 FIBER_API int close(int fd) noexcept;

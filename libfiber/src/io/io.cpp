@@ -238,9 +238,9 @@ int wait_ready_fiber(int fd, uint32_t events, const io::Deadline& dl, bool probe
   return early_error(op, why);
 }
 
-// Plain thread: poll() until ready or the deadline.
-int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept {
-  pollfd p{fd, static_cast<short>(events & EPOLLIN ? POLLIN : POLLOUT), 0};
+// A plain thread's poll(2) until something is ready (the count) or the deadline (-ETIMEDOUT), or
+// poll's error; through signals.
+int poll_thread(pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
   for (;;) {
     timespec ts{};
     timespec* tsp = nullptr;
@@ -251,10 +251,17 @@ int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept 
       ts = {static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
       tsp = &ts;
     }
-    const int rc = raw::ppoll(&p, 1, tsp);
-    if (rc > 0) return (p.revents & POLLNVAL) ? -EBADF : 0;  // ERR/HUP: the call will say what
-    if (rc < 0 && rc != -EINTR) return rc;
+    const int rc = raw::ppoll(fds, n, tsp);
+    if (rc > 0 || (rc < 0 && rc != -EINTR)) return rc;
   }
+}
+
+// Plain thread: poll() until ready or the deadline.
+int wait_ready_thread(int fd, uint32_t events, const io::Deadline& dl) noexcept {
+  pollfd p{fd, static_cast<short>(events & EPOLLIN ? POLLIN : POLLOUT), 0};
+  const int rc = poll_thread(&p, 1, dl);
+  if (rc > 0) return (p.revents & POLLNVAL) ? -EBADF : 0;  // ERR/HUP: the call will say what
+  return rc;
 }
 
 int wait_ready(const Fiber* f, int fd, uint32_t events, const io::Deadline& dl, bool probe = false) noexcept {
@@ -307,6 +314,72 @@ int wait_unpollable(const Fiber* f, const io::Deadline& dl) noexcept {
   waiter_prepare(w);
   const WakeReason r = dl.is_none() ? waiter_wait(w, ParkReason::IO) : waiter_wait_until(w, ParkReason::IO, dl.at());
   return r == WakeReason::Cancelled ? -ECANCELED : -ETIMEDOUT;
+}
+
+// poll's event bits that a wait can ask for: they are epoll's too (POLLPRI is EPOLLPRI, not any
+// data). ERR and HUP are reported unasked; NVAL is poll's alone.
+constexpr uint32_t kAskable = EPOLLIN | EPOLLPRI | EPOLLOUT | EPOLLRDNORM | EPOLLRDBAND | EPOLLWRNORM | EPOLLWRBAND |
+                              EPOLLMSG | EPOLLRDHUP;
+uint32_t askable(short events) noexcept { return static_cast<uint32_t>(static_cast<unsigned short>(events)) & kAskable; }
+
+// poll(2) on the blocking-offload pool, for the time left: where poll_set cannot build its set.
+// A cancel does not end it (see fiber::blocking).
+int poll_on_pool(pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
+  try {
+    return fiber::blocking([&]() noexcept { return poll_thread(fds, n, dl); });
+  } catch (const fiber::Cancelled&) {
+    return -ECANCELED;
+  } catch (...) {
+    return -ENOMEM;  // no helper thread could be started
+  }
+}
+
+// A fiber's wait for poll(2)'s array `fds`, none of which was ready a moment ago: its
+// descriptors go into a temporary epoll set, and the engine waits for that one descriptor (an
+// epoll set is pollable) as for any other, so the deadline and a cancel end the wait as they end
+// any other. Woken, a zero-timeout poll says what is ready; if nothing is (another fiber took
+// the data), it waits again. (Not a ring poll per descriptor: a ring poll for POLLPRI without
+// POLLIN is not woken when TCP urgent data arrives, where epoll is; seen on 6.18.) The count
+// ready, or -errno.
+int poll_set(const Fiber* f, pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
+  const int set = static_cast<int>(raw::ret(::syscall(SYS_epoll_create1, EPOLL_CLOEXEC)));
+  if (set < 0) return poll_on_pool(fds, n, dl);  // out of descriptors
+  bool watched = false;
+  for (nfds_t i = 0; i < n; ++i) {
+    const int fd = fds[i].fd;
+    if (fd < 0) continue;
+    epoll_event ev{askable(fds[i].events), {}};
+    long rc = raw::ret(::syscall(SYS_epoll_ctl, set, EPOLL_CTL_ADD, fd, &ev));
+    if (rc == -EEXIST) {  // the same descriptor again: it waits for all it is asked for
+      for (nfds_t j = 0; j < i; ++j) {
+        if (fds[j].fd == fd) ev.events |= askable(fds[j].events);
+      }
+      rc = raw::ret(::syscall(SYS_epoll_ctl, set, EPOLL_CTL_MOD, fd, &ev));
+    }
+    // No poll method (a regular file): poll(2) calls it ready for input and output, always, and
+    // it was not ready for what it is asked: it never will be.
+    if (rc == -EPERM) continue;
+    if (rc < 0) {
+      io::close(set);
+      // Closed since the zero-timeout poll (that poll now says POLLNVAL), or a set nested too
+      // deep (ELOOP) or out of memory: poll(2) itself, elsewhere.
+      if (const int now = raw::poll_now(fds, n); now != 0) return now;
+      return poll_on_pool(fds, n, dl);
+    }
+    watched = true;
+  }
+  int rc;
+  if (!watched) {
+    rc = wait_unpollable(f, dl);  // nothing can become ready: the deadline or a cancel ends it
+  } else {
+    for (;;) {
+      rc = wait_ready_fiber(set, EPOLLIN, dl, false);
+      if (rc == 0) rc = raw::poll_now(fds, n);
+      if (rc != 0) break;
+    }
+  }
+  io::close(set);
+  return rc;
 }
 
 // Makes `call` - one that blocks the thread when `fd` is not ready for `events` and has no
@@ -780,15 +853,17 @@ int poll(int fd, short events, Deadline dl) noexcept {
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   pollfd p{fd, events, 0};
-  if (f == nullptr && dl.is_none()) {
-    for (;;) {
-      const int rc = raw::ppoll(&p, 1, nullptr);
-      if (rc > 0) return p.revents;
-      if (rc < 0 && rc != -EINTR) return rc;
-    }
+  if (f == nullptr) {
+    const int rc = detail::poll_thread(&p, 1, dl);
+    return rc > 0 ? p.revents : rc;
   }
   if (const int rc = raw::poll_now(&p, 1); rc != 0) return rc < 0 ? rc : p.revents;  // ready now
   if (detail::path_of(f, dl) == Path::Uring) {
+    // The ring's poll for POLLPRI without POLLIN misses TCP urgent data (poll_set).
+    if ((events & POLLPRI) && !(events & POLLIN)) {
+      const int rc = detail::poll_set(f, &p, 1, dl);
+      return rc > 0 ? p.revents : rc;
+    }
     const int rc = static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) {
       io_uring_prep_poll_add(s, fd, static_cast<unsigned>(static_cast<unsigned short>(events)));
     }));
@@ -796,22 +871,8 @@ int poll(int fd, short events, Deadline dl) noexcept {
     // The ring reports the whole mask (POLLRDHUP with POLLIN, say): only what poll(2) would.
     return rc > 0 ? rc & (static_cast<unsigned short>(events) | POLLERR | POLLHUP | POLLNVAL) : rc;
   }
-  if (f == nullptr) {  // a plain thread with a deadline: ppoll until then
-    for (;;) {
-      const auto left = dl.at() - std::chrono::steady_clock::now();
-      if (left <= left.zero()) return -ETIMEDOUT;
-      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-      const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
-      const int rc = raw::ppoll(&p, 1, &ts);
-      if (rc > 0) return p.revents;
-      if (rc < 0 && rc != -EINTR) return rc;
-    }
-  }
-  // poll's event bits are epoll's: wait for exactly those asked for (POLLPRI is EPOLLPRI, not
-  // any data), so a wake means one of them - or ERR/HUP, which both report unasked.
-  constexpr uint32_t kAskable = EPOLLIN | EPOLLPRI | EPOLLOUT | EPOLLRDNORM | EPOLLRDBAND | EPOLLWRNORM |
-                                EPOLLWRBAND | EPOLLMSG | EPOLLRDHUP;
-  const uint32_t want = static_cast<uint32_t>(static_cast<unsigned short>(events)) & kAskable;
+  // Wait for exactly the events asked for, so a wake means one of them - or ERR/HUP.
+  const uint32_t want = detail::askable(events);
   for (;;) {
     if (const int rc = detail::wait_ready(f, fd, want, dl); rc < 0) {
       return rc == -EPERM ? detail::wait_unpollable(f, dl) : rc;
@@ -821,6 +882,24 @@ int poll(int fd, short events, Deadline dl) noexcept {
     // Ready when the engine looked, not any more (another fiber took the data): wait again,
     // until the same deadline.
   }
+}
+
+int poll(pollfd* fds, nfds_t n, Deadline dl) noexcept {
+  const Fiber* f = detail::current_fiber();
+  if (const int rc = detail::precheck(f, dl)) return rc;
+  if (f == nullptr) return detail::poll_thread(fds, n, dl);
+  if (const int rc = raw::poll_now(fds, n); rc != 0) return rc;  // ready now, or poll's error
+  if (n == 1 && fds[0].fd >= 0) {  // one descriptor: its own wait
+    const int rc = poll(fds[0].fd, fds[0].events, dl);
+    if (rc == -EBADF) {  // io::close()d while it waited: poll(2)'s answer for a closed descriptor
+      fds[0].revents = POLLNVAL;
+      return 1;
+    }
+    if (rc < 0) return rc;
+    fds[0].revents = static_cast<short>(rc);
+    return 1;
+  }
+  return detail::poll_set(f, fds, n, dl);
 }
 
 int close(int fd) noexcept {
