@@ -1672,6 +1672,23 @@ TEST_CASE("io: recv and recvmsg with MSG_WAITALL wait for all n bytes, or return
         });
         team.join();
       }
+      // With MSG_PEEK: what is there, each byte once (the ring's retry once peeked the first
+      // bytes again into the rest of the buffer), and still there for the next receive.
+      {
+        SocketPair p = tcp_pair();
+        Team team;
+        team.spawn(w, s, [&] {
+          char buf[8] = {};
+          REQUIRE(::send(p.b.get(), "ab", 2, MSG_NOSIGNAL) == 2);
+          const ssize_t r = recv(p.a.get(), buf, 4, MSG_PEEK | MSG_WAITALL, patience());
+          CHECK_MESSAGE((r >= 1 && r <= 2), "peeked " << r);
+          CHECK(std::string(buf, r > 0 ? static_cast<size_t>(r) : 0) == std::string("ab").substr(0, r > 0 ? r : 0));
+          REQUIRE(::send(p.b.get(), "cd", 2, MSG_NOSIGNAL) == 2);
+          CHECK(recv(p.a.get(), buf, 4, MSG_WAITALL, patience()) == 4);
+          CHECK(std::string(buf, 4) == "abcd");
+        });
+        team.join();
+      }
       // Datagrams: one at a time, as the kernel does (MSG_WAITALL does not join them).
       {
         int sv[2];

@@ -75,7 +75,9 @@ FIBER_API ssize_t pwrite(int fd, const void* buf, size_t n, off_t off, Deadline 
 // stream socket waits for all n bytes, as the kernel's call does; end of stream, an error, the
 // deadline or a cancel after some data return the count so far (and for recvmsg, a part that
 // brings ancillary data is the last). With MSG_WAITALL, recvmsg reads *msg itself before the
-// first receive: msg must be null (-EFAULT) or point to a msghdr.
+// first receive: msg must be null (-EFAULT) or point to a msghdr. In a fiber (and on a plain
+// thread with a deadline), MSG_PEEK with MSG_WAITALL peeks at what is there once something is,
+// which may be less than n: unlike the kernel's call it does not wait for all of it.
 FIBER_API ssize_t recv(int fd, void* buf, size_t n, int flags, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t send(int fd, const void* buf, size_t n, int flags, Deadline deadline = {}) noexcept;
 FIBER_API ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline deadline = {}) noexcept;

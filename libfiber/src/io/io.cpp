@@ -561,6 +561,11 @@ bool is_stream_socket(int fd) noexcept {
   return ::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_STREAM;
 }
 
+// MSG_PEEK with MSG_WAITALL: not for the ring, whose retry after a short receive on a stream
+// socket peeks again from the start into the rest of the buffer, so the call returns the first
+// bytes twice. The readiness path peeks once (recv_ready).
+bool peek_all(int flags) noexcept { return (flags & (MSG_PEEK | MSG_WAITALL)) == (MSG_PEEK | MSG_WAITALL); }
+
 // The readiness path of a receive. MSG_DONTWAIT makes each attempt return what is there, so
 // MSG_WAITALL on a stream socket is done here as the kernel does it: wait for the rest until all
 // n bytes, end of stream, an error, the deadline or a cancel; what came in before those stands.
@@ -639,6 +644,7 @@ ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, 
   if (const int rc = precheck(f, dl)) return rc;
   switch (path_of(f, dl)) {
     case Path::Uring:
+      if (peek_all(flags)) return recv_ready(f, fd, buf, n, flags, dl);
       return ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recv(s, fd, buf, n, flags); }, socket);
     case Path::Ready:
       return recv_ready(f, fd, buf, n, flags, dl);
@@ -772,6 +778,7 @@ ssize_t recvmsg(int fd, msghdr* msg, int flags, Deadline dl) noexcept {
   if (const int rc = detail::precheck(f, dl)) return rc;
   switch (detail::path_of(f, dl)) {
     case Path::Uring:
+      if (detail::peek_all(flags)) return detail::recvmsg_ready(f, fd, msg, flags, dl);
       return detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_recvmsg(s, fd, msg, static_cast<unsigned>(flags)); });
     case Path::Ready:
       return detail::recvmsg_ready(f, fd, msg, flags, dl);
