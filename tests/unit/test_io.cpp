@@ -1900,11 +1900,15 @@ TEST_CASE("io: poll over several descriptors waits for the first one ready and r
       CAPTURE(n);
       pollfd set[2] = {{q.a.get(), POLLPRI, 0}, {in.get(), POLLIN, 0}};
       std::atomic<int> started{0};
+      std::atomic<bool> returned{false};
       auto h = fiber::spawn({.scheduler = &s}, [&] {
         started = 1;
-        return io::poll(set, n, patience());
+        const int r = io::poll(set, n, patience());
+        returned = true;
+        return r;
       });
       let_it_park(started);
+      CHECK_MESSAGE(!returned.load(), "poll for urgent data returned before it came");
       REQUIRE(::send(q.b.get(), "!", 1, MSG_OOB | MSG_NOSIGNAL) == 1);
       CHECK(h.join() == 1);
       CHECK(set[0].revents == POLLPRI);
@@ -1918,6 +1922,26 @@ TEST_CASE("io: poll over several descriptors waits for the first one ready and r
       return std::vector<int>{io::poll(set, 2, 20ms), io::poll(nullptr, 0, 20ms), io::poll(&skipped, 1, 20ms)};
     });
     for (const int r : timed.join()) CHECK(r == -ETIMEDOUT);
+    // Epoll sets nested 1 to 5 deep: each is polled, and times out, as by poll(2) (a set holding
+    // one nested 4 deep is too deep for the epoll engine's own set to hold: that one waits on
+    // the blocking pool).
+    for (int depth = 1; depth <= 5; ++depth) {
+      CAPTURE(depth);
+      std::vector<Fd> chain;
+      int inner = in.get();
+      for (int i = 0; i < depth; ++i) {
+        chain.emplace_back(::epoll_create1(EPOLL_CLOEXEC));
+        REQUIRE(chain.back().get() >= 0);
+        epoll_event ev{EPOLLIN, {}};
+        REQUIRE(::epoll_ctl(chain.back().get(), EPOLL_CTL_ADD, inner, &ev) == 0);
+        inner = chain.back().get();
+      }
+      auto nested = fiber::spawn({.scheduler = &s}, [&] {
+        pollfd set[2] = {{inner, POLLIN, 0}, {q.a.get(), POLLIN, 0}};
+        return io::poll(set, 2, 20ms);
+      });
+      CHECK(nested.join() == -ETIMEDOUT);
+    }
     // A closed descriptor is POLLNVAL at once; ready ones are all reported.
     int closed;
     {
@@ -1939,6 +1963,33 @@ TEST_CASE("io: poll over several descriptors waits for the first one ready and r
   });
 }
 
+TEST_CASE("io: poll over several descriptors keeps its deadline when a file it no longer polls is ready") {
+  // epoll watches files, not numbers: after dup2 over a polled number, the set still holds the
+  // old file, kept open by a dup. Its data must not wake the poll for ever (a loop that never
+  // reaches its deadline, holding its processor).
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        int p[2], q[2], r[2];
+        REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+        REQUIRE(::pipe2(q, O_CLOEXEC) == 0);
+        REQUIRE(::pipe2(r, O_CLOEXEC) == 0);
+        Fd p_in(p[0]), p_out(p[1]), q_in(q[0]), q_out(q[1]), r_in(r[0]), r_out(r[1]);
+        Fd kept(::fcntl(p_in.get(), F_DUPFD_CLOEXEC, 0));  // the old file stays open
+        REQUIRE(kept.get() >= 0);
+        std::atomic<int> started{0};
+        auto h = fiber::spawn({.scheduler = &s}, [&] {
+          pollfd set[2] = {{p_in.get(), POLLIN, 0}, {q_in.get(), POLLIN, 0}};
+          started = 1;
+          return io::poll(set, 2, 300ms);
+        });
+        let_it_park(started);
+        REQUIRE(::dup3(r_in.get(), p_in.get(), O_CLOEXEC) == p_in.get());  // the number now names r's pipe
+        REQUIRE(::write(p_out.get(), "x", 1) == 1);                       // the old file is ready
+        CHECK(h.join() == -ETIMEDOUT);                                      // r and q never were
+      },
+      {1, 2});
+}
+
 TEST_CASE("io: a cancel ends poll over several descriptors, or none, with ECANCELED; Scheduler::stop ends it too") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     SocketPair p = tcp_pair();
@@ -1958,6 +2009,29 @@ TEST_CASE("io: a cancel ends poll over several descriptors, or none, with ECANCE
     none.cancel();
     CHECK(many.join() == -ECANCELED);
     CHECK(none.join() == -ECANCELED);
+  });
+  // Out of descriptors, a poll of none (a sleep) still ends on a cancel: it needs no epoll set,
+  // so it never falls back to poll(2) on the blocking pool, which a cancel does not reach.
+  with_watchdog(kDefaultLimit, "a poll of none, out of descriptors", [] {
+    fiber::Scheduler s({.processors = 1, .name = "pollfull"});
+    FdLimit limit(2048);
+    std::vector<Fd> filler;
+    for (;;) {
+      Fd d(::fcntl(0, F_DUPFD_CLOEXEC, 0));
+      if (d.get() < 0) break;
+      filler.push_back(std::move(d));
+    }
+    std::atomic<int> started{0};
+    auto none = fiber::spawn({.scheduler = &s}, [&] {
+      started = 1;
+      return io::poll(nullptr, 0);
+    });
+    REQUIRE(wait_for([&] { return started.load() == 1; }));
+    std::this_thread::sleep_for(20ms);
+    none.cancel();
+    const int r = none.join();
+    filler.clear();
+    CHECK(r == -ECANCELED);
   });
   // stop() cancels what is still alive: a poll with no deadline must not keep it waiting.
   SocketPair p = tcp_pair();

@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <new>
@@ -337,49 +338,51 @@ int poll_on_pool(pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
 // A fiber's wait for poll(2)'s array `fds`, none of which was ready a moment ago: its
 // descriptors go into a temporary epoll set, and the engine waits for that one descriptor (an
 // epoll set is pollable) as for any other, so the deadline and a cancel end the wait as they end
-// any other. Woken, a zero-timeout poll says what is ready; if nothing is (another fiber took
-// the data), it waits again. (Not a ring poll per descriptor: a ring poll for POLLPRI without
-// POLLIN is not woken when TCP urgent data arrives, where epoll is; seen on 6.18.) The count
-// ready, or -errno.
+// any other. Woken, a zero-timeout poll says what is ready. If nothing is (another fiber took
+// the data, or the set holds a file whose number now names another: epoll watches files, not
+// numbers, and a close leaves a dup'd file in the set), it waits again with a set built afresh.
+// (Not a ring poll per descriptor: a ring poll for POLLPRI without POLLIN is not woken when TCP
+// urgent data arrives, where epoll is; seen on 6.18.) The count ready, or -errno.
 int poll_set(const Fiber* f, pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
-  const int set = static_cast<int>(raw::ret(::syscall(SYS_epoll_create1, EPOLL_CLOEXEC)));
-  if (set < 0) return poll_on_pool(fds, n, dl);  // out of descriptors
-  bool watched = false;
-  for (nfds_t i = 0; i < n; ++i) {
-    const int fd = fds[i].fd;
-    if (fd < 0) continue;
-    epoll_event ev{askable(fds[i].events), {}};
-    long rc = raw::ret(::syscall(SYS_epoll_ctl, set, EPOLL_CTL_ADD, fd, &ev));
-    if (rc == -EEXIST) {  // the same descriptor again: it waits for all it is asked for
-      for (nfds_t j = 0; j < i; ++j) {
-        if (fds[j].fd == fd) ev.events |= askable(fds[j].events);
+  if (std::none_of(fds, fds + n, [](const pollfd& p) { return p.fd >= 0; })) {
+    return wait_unpollable(f, dl);  // nothing to watch: the deadline or a cancel ends it
+  }
+  for (;;) {
+    const int set = static_cast<int>(raw::ret(::syscall(SYS_epoll_create1, EPOLL_CLOEXEC)));
+    if (set < 0) return poll_on_pool(fds, n, dl);  // out of descriptors
+    bool watched = false;
+    long rc = 0;
+    for (nfds_t i = 0; i < n && rc >= 0; ++i) {
+      const int fd = fds[i].fd;
+      if (fd < 0) continue;
+      epoll_event ev{askable(fds[i].events), {}};
+      rc = raw::ret(::syscall(SYS_epoll_ctl, set, EPOLL_CTL_ADD, fd, &ev));
+      if (rc == -EEXIST) {  // the same descriptor again: it waits for all it is asked for
+        for (nfds_t j = 0; j < i; ++j) {
+          if (fds[j].fd == fd) ev.events |= askable(fds[j].events);
+        }
+        rc = raw::ret(::syscall(SYS_epoll_ctl, set, EPOLL_CTL_MOD, fd, &ev));
       }
-      rc = raw::ret(::syscall(SYS_epoll_ctl, set, EPOLL_CTL_MOD, fd, &ev));
+      // No poll method (a regular file): poll(2) calls it ready for input and output, always,
+      // and it was not ready for what it is asked: it never will be.
+      if (rc == -EPERM) {
+        rc = 0;
+      } else if (rc == 0) {
+        watched = true;
+      }
     }
-    // No poll method (a regular file): poll(2) calls it ready for input and output, always, and
-    // it was not ready for what it is asked: it never will be.
-    if (rc == -EPERM) continue;
-    if (rc < 0) {
-      io::close(set);
-      // Closed since the zero-timeout poll (that poll now says POLLNVAL), or a set nested too
-      // deep (ELOOP) or out of memory: poll(2) itself, elsewhere.
-      if (const int now = raw::poll_now(fds, n); now != 0) return now;
-      return poll_on_pool(fds, n, dl);
+    if (rc == 0) {
+      rc = watched ? wait_ready_fiber(set, EPOLLIN, dl, false) : wait_unpollable(f, dl);
     }
-    watched = true;
+    io::close(set);
+    if (rc == -ETIMEDOUT || rc == -ECANCELED) return static_cast<int>(rc);
+    // Woken, or the set could not be built or waited for: closed since the zero-timeout poll
+    // (that poll now says POLLNVAL), nested too deep for the engine's epoll (ELOOP), out of
+    // memory. What is ready, else poll(2) itself elsewhere.
+    if (const int now = raw::poll_now(fds, n); now != 0) return now;
+    if (rc != 0) return poll_on_pool(fds, n, dl);
+    if (const int early = precheck(f, dl)) return early;  // a wake that keeps coming must not outlast them
   }
-  int rc;
-  if (!watched) {
-    rc = wait_unpollable(f, dl);  // nothing can become ready: the deadline or a cancel ends it
-  } else {
-    for (;;) {
-      rc = wait_ready_fiber(set, EPOLLIN, dl, false);
-      if (rc == 0) rc = raw::poll_now(fds, n);
-      if (rc != 0) break;
-    }
-  }
-  io::close(set);
-  return rc;
 }
 
 // Makes `call` - one that blocks the thread when `fd` is not ready for `events` and has no
