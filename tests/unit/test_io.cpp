@@ -1915,6 +1915,19 @@ TEST_CASE("io: poll over several descriptors waits for the first one ready and r
       char c;
       REQUIRE(::recv(q.a.get(), &c, 1, MSG_OOB) == 1);
     }
+    // io::close of a descriptor waited on for urgent data alone ends the wait, as any other.
+    {
+      SocketPair u = tcp_pair();
+      const int fd = u.a.release();
+      std::atomic<int> started{0};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        started = 1;
+        return io::poll(fd, POLLPRI, patience());
+      });
+      let_it_park(started);
+      CHECK(fiber::spawn({.scheduler = &s}, [&] { return io::close(fd); }).join() == 0);
+      CHECK(h.join() == -EBADF);
+    }
     // The deadline, with descriptors, with none, and with only skipped ones.
     auto timed = fiber::spawn({.scheduler = &s}, [&] {
       pollfd set[2] = {{in.get(), POLLIN, 0}, {q.a.get(), POLLIN, 0}};

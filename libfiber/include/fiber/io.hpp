@@ -89,9 +89,6 @@ FIBER_API int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags = 0, 
 FIBER_API int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline deadline = {}) noexcept;
 // Waits until `fd` is ready for `events` (POLLIN, POLLOUT, ...): the revents (> 0, as poll(2)
 // reports them, including POLLERR/POLLHUP/POLLNVAL), or -errno (-ETIMEDOUT, -ECANCELED, ...).
-// One exception to io::close's -EBADF: on io_uring a wait for POLLPRI without POLLIN waits as
-// the array form below does (the ring's poll misses TCP urgent data), and a close of fd does not
-// end it.
 FIBER_API int poll(int fd, short events, Deadline deadline = {}) noexcept;
 // poll(2) over `n` descriptors: waits until at least one is ready, fills every revents as poll(2)
 // does (a negative descriptor is skipped, an invalid one reports POLLNVAL), and returns how many

@@ -342,8 +342,10 @@ int poll_on_pool(pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
 // the data, or the set holds a file whose number now names another: epoll watches files, not
 // numbers, and a close leaves a dup'd file in the set), it waits again with a set built afresh.
 // (Not a ring poll per descriptor: a ring poll for POLLPRI without POLLIN is not woken when TCP
-// urgent data arrives, where epoll is; seen on 6.18.) The count ready, or -errno.
-int poll_set(const Fiber* f, pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
+// urgent data arrives, where epoll is; seen on 6.18.) The count ready, or -errno. `listed`
+// (io_uring only; -1: none): the one descriptor polled, under whose fd-table slot the wait is
+// listed, so that io::close of it ends the wait with -EBADF as it ends any other.
+int poll_set(const Fiber* f, pollfd* fds, nfds_t n, const io::Deadline& dl, int listed = -1) noexcept {
   if (std::none_of(fds, fds + n, [](const pollfd& p) { return p.fd >= 0; })) {
     return wait_unpollable(f, dl);  // nothing to watch: the deadline or a cancel ends it
   }
@@ -371,11 +373,17 @@ int poll_set(const Fiber* f, pollfd* fds, nfds_t n, const io::Deadline& dl) noex
         watched = true;
       }
     }
-    if (rc == 0) {
-      rc = watched ? wait_ready_fiber(set, EPOLLIN, dl, false) : wait_unpollable(f, dl);
+    if (rc == 0 && !watched) {
+      rc = wait_unpollable(f, dl);
+    } else if (rc == 0 && listed >= 0) {
+      // The ring polls the set; the op is listed under `listed` (ring_op lists its first argument).
+      rc = ring_op(listed, dl, [&](io_uring_sqe* s) { io_uring_prep_poll_add(s, set, POLLIN); });
+      if (rc > 0) rc = 0;
+    } else if (rc == 0) {
+      rc = wait_ready_fiber(set, EPOLLIN, dl, false);
     }
     io::close(set);
-    if (rc == -ETIMEDOUT || rc == -ECANCELED) return static_cast<int>(rc);
+    if (rc == -ETIMEDOUT || rc == -ECANCELED || (rc == -EBADF && listed >= 0)) return static_cast<int>(rc);
     // Woken, or the set could not be built or waited for: closed since the zero-timeout poll
     // (that poll now says POLLNVAL), nested too deep for the engine's epoll (ELOOP), out of
     // memory. What is ready, else poll(2) itself elsewhere.
@@ -871,7 +879,7 @@ int poll(int fd, short events, Deadline dl) noexcept {
   if (detail::path_of(f, dl) == Path::Uring) {
     // The ring's poll for POLLPRI without POLLIN misses TCP urgent data (poll_set).
     if ((events & POLLPRI) && !(events & POLLIN)) {
-      const int rc = detail::poll_set(f, &p, 1, dl);
+      const int rc = detail::poll_set(f, &p, 1, dl, fd);
       return rc > 0 ? p.revents : rc;
     }
     const int rc = static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) {
