@@ -2025,16 +2025,18 @@ TEST_CASE("io: a cancel ends poll over several descriptors, or none, with ECANCE
   });
   // Out of descriptors, a poll of none (a sleep) still ends on a cancel: it needs no epoll set,
   // so it never falls back to poll(2) on the blocking pool, which a cancel does not reach. The
-  // fiber is running before the descriptors run out: UBSan's first check of a type's vptr makes
-  // a pipe, and without one it reports the object as invalid.
+  // fiber starts before the descriptors run out and ends after they are back: UBSan's first
+  // check of a type's vptr makes a pipe, and without one it reports the object as invalid.
   with_watchdog(kDefaultLimit, "a poll of none, out of descriptors", [] {
     fiber::Scheduler s({.processors = 1, .name = "pollfull"});
     std::atomic<int> started{0};
     std::atomic<bool> full{false};
+    std::atomic<int> polled{1};
     auto none = fiber::spawn({.scheduler = &s}, [&] {
       started = 1;
-      while (!full.load()) fiber::this_fiber::sleep_for(1ms);
-      return io::poll(nullptr, 0);
+      while (!full.load()) fiber::this_fiber::yield();
+      polled = io::poll(nullptr, 0);
+      while (full.load()) std::this_thread::yield();  // cancelled: a fiber yield would throw
     });
     REQUIRE(wait_for([&] { return started.load() == 1; }));
     FdLimit limit(2048);
@@ -2047,9 +2049,12 @@ TEST_CASE("io: a cancel ends poll over several descriptors, or none, with ECANCE
     full = true;
     std::this_thread::sleep_for(20ms);
     none.cancel();
-    const int r = none.join();
+    const bool ended = wait_for([&] { return polled.load() != 1; });
     filler.clear();
-    CHECK(r == -ECANCELED);
+    full = false;
+    none.join();
+    CHECK(ended);
+    CHECK(polled.load() == -ECANCELED);
   });
   // stop() cancels what is still alive: a poll with no deadline must not keep it waiting.
   SocketPair p = tcp_pair();
