@@ -323,16 +323,23 @@ constexpr uint32_t kAskable = EPOLLIN | EPOLLPRI | EPOLLOUT | EPOLLRDNORM | EPOL
                               EPOLLMSG | EPOLLRDHUP;
 uint32_t askable(short events) noexcept { return static_cast<uint32_t>(static_cast<unsigned short>(events)) & kAskable; }
 
-// poll(2) on the blocking-offload pool, for the time left: where poll_set cannot build its set.
-// A cancel does not end it (see fiber::blocking).
-int poll_on_pool(pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
+// Runs call() on the blocking-offload pool while the fiber parks: its result, -ECANCELED for a
+// fiber cancelled before it was handed over (a cancel does not end a job once there: see
+// fiber::blocking), or -ENOMEM when no helper thread could be started.
+template <typename Call>
+ssize_t on_pool(Call&& call) noexcept {
   try {
-    return fiber::blocking([&]() noexcept { return poll_thread(fds, n, dl); });
+    return fiber::blocking([&]() noexcept -> ssize_t { return call(); });
   } catch (const fiber::Cancelled&) {
     return -ECANCELED;
   } catch (...) {
-    return -ENOMEM;  // no helper thread could be started
+    return -ENOMEM;
   }
+}
+
+// poll(2) on the blocking-offload pool, for the time left: where poll_set cannot build its set.
+int poll_on_pool(pollfd* fds, nfds_t n, const io::Deadline& dl) noexcept {
+  return static_cast<int>(on_pool([&] { return poll_thread(fds, n, dl); }));
 }
 
 // A fiber's wait for poll(2)'s array `fds`, none of which was ready a moment ago: its
@@ -428,14 +435,7 @@ ssize_t offload(int fd, Call&& call) noexcept {
   const int own = raw::fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (own == -EBADF) return own;
   const int use = own >= 0 ? own : fd;
-  ssize_t r;
-  try {
-    r = fiber::blocking([&]() noexcept -> ssize_t { return call(use); });
-  } catch (const fiber::Cancelled&) {
-    r = -ECANCELED;
-  } catch (...) {
-    r = -ENOMEM;  // no helper thread could be started
-  }
+  const ssize_t r = on_pool([&] { return call(use); });
   if (own >= 0) raw::close(own);
   return r;
 }
