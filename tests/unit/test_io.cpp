@@ -42,6 +42,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -2046,13 +2047,21 @@ TEST_CASE("io: a cancel ends poll over several descriptors, or none, with ECANCE
       if (d.get() < 0) break;
       filler.push_back(std::move(d));
     }
+    // The cancel must find the fiber parked in its poll (not before it, where any poll ends
+    // with ECANCELED at once): wait for the scheduler's park count to move.
+    const auto parks = [&s] {
+      const fiber::SchedulerStats st = s.stats();
+      return std::accumulate(std::begin(st.parks), std::end(st.parks), std::uint64_t{0});
+    };
+    const std::uint64_t before = parks();
     full = true;
-    std::this_thread::sleep_for(20ms);
+    const bool parked = wait_for([&] { return parks() > before; });
     none.cancel();
     const bool ended = wait_for([&] { return polled.load() != 1; });
     filler.clear();
     full = false;
     none.join();
+    CHECK(parked);
     CHECK(ended);
     CHECK(polled.load() == -ECANCELED);
   });
