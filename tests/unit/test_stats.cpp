@@ -74,6 +74,39 @@ TEST_CASE("stats: spawned, finished, alive and parks by reason follow a known wo
   }, {1, 2, 4});
 }
 
+TEST_CASE("stats: an idle processor sleeps, and a spawn from a plain thread wakes one") {
+  for_each_proc_count([](fiber::Scheduler& s, int n) {
+    const auto all_slept = [&] {
+      const fiber::SchedulerStats now = s.stats();
+      for (int i = 0; i < n; ++i) {
+        if (now.processors[static_cast<std::size_t>(i)].sleeps == 0) return false;
+      }
+      return true;
+    };
+    // Nothing to run from the start: every processor goes to sleep in its engine.
+    REQUIRE(wait_for(all_slept));
+    const fiber::SchedulerStats before = s.stats();
+    std::uint64_t per_proc = 0;
+    for (const auto& p : before.processors) per_proc += p.sleeps;
+    CHECK(per_proc == before.sleeps);
+    // A plain thread's spawn goes to the global queue and must wake a sleeper to run it.
+    std::atomic<bool> ran{false};
+    fiber::spawn({.scheduler = &s}, [&] { ran.store(true); }).join();
+    CHECK(ran.load());
+    const fiber::SchedulerStats after = s.stats();
+    CHECK(after.wakeups > before.wakeups);
+    std::uint64_t woken = 0;
+    for (const auto& p : after.processors) woken += p.wakeups;
+    CHECK(woken == after.wakeups);
+    // ... which then has nothing to run again and goes back to sleep (perhaps before `after`).
+    CHECK(wait_for([&] { return s.stats().sleeps > before.sleeps; }));
+    std::ostringstream out;
+    s.dump(out);
+    CHECK(contains(out.str(), " sleeps, "));
+    CHECK(contains(out.str(), " wakeups, "));
+  }, {1, 2, 4});
+}
+
 TEST_CASE("stats: I/O operations submitted and completed are counted") {
   fiber::Scheduler s({.processors = 1, .name = "io-stats"});
   int sv[2];

@@ -29,6 +29,12 @@ struct ProcessorStats {
   bool running = false;             // its thread runs (extra processors come and go)
   std::uint64_t switches = 0;       // fiber switches (and yields with nothing else to run)
   std::uint64_t steals = 0;         // successful steals from other processors' queues
+  // Idle time: how often its thread slept in its engine (for I/O, a timer or a wake) having
+  // nothing to run, and how often another thread woke it to look for work. Many of either per
+  // unit of work mean the processors share too little work to stay busy (see libfiber/README.md,
+  // "Idle processors").
+  std::uint64_t sleeps = 0;
+  std::uint64_t wakeups = 0;
   std::uint64_t spawned = 0;        // fibers spawned by fibers running here
   std::uint64_t finished = 0;       // fibers that finished here
   std::uint64_t parks[kParkReasons] = {};  // parks here, by reason
@@ -46,6 +52,8 @@ struct SchedulerStats {
   std::uint64_t finished = 0;
   std::uint64_t switches = 0;       // sums over the processors
   std::uint64_t steals = 0;
+  std::uint64_t sleeps = 0;
+  std::uint64_t wakeups = 0;
   std::uint64_t parks[kParkReasons] = {};
   std::size_t injector = 0;         // fibers in the global queue now
   std::uint64_t io_submitted = 0;
@@ -66,8 +74,8 @@ FIBER_API SchedulerStats stats();
 // on and how long it has waited (to within a few milliseconds), one line each. Fibers spawned
 // and still queued, never run, are counted in one line ("N queued, not started yet"). Above the
 // fibers: how many processors are awake or searching, the fibers in the global queue, and one
-// line per processor (awake or asleep, fibers queued on it and in its LIFO slot, switches, I/O
-// in flight). A runnable fiber while every processor sleeps is a lost wakeup.
+// line per processor (awake or asleep, fibers queued on it and in its LIFO slot, switches,
+// sleeps and wakeups, I/O in flight). A runnable fiber while every processor sleeps is a lost wakeup.
 FIBER_API void dump(std::ostream& out);
 
 }  // namespace fiber

@@ -121,6 +121,8 @@ SchedulerStats SchedulerImpl::stats() const {
     s.finished += p.finished;
     s.switches += p.switches;
     s.steals += p.steals;
+    s.sleeps += p.sleeps;
+    s.wakeups += p.wakeups;
     for (std::size_t r = 0; r < kParkReasons; ++r) s.parks[r] += p.parks[r];
     s.io_submitted += p.io_submitted;
     s.io_completed += p.io_completed;
@@ -172,7 +174,8 @@ void SchedulerImpl::dump(std::ostream& out) const {
     if (!p.running && i >= base_) continue;  // an extra processor that is not running now
     out << "  P" << i << ": " << (!p.running ? "stopped" : idle_.is_parked(i) ? "asleep" : "awake") << ", "
         << p.local_queue << " queued" << (p.lifo_slot ? " + 1 in the LIFO slot" : "") << ", " << p.switches
-        << " switches, " << p.io_inflight << " I/O in flight\n";
+        << " switches, " << p.sleeps << " sleeps, " << p.wakeups << " wakeups, " << p.io_inflight
+        << " I/O in flight\n";
   }
   for (const Line& l : lines) {
     out << "  fiber #" << l.id;

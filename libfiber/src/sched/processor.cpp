@@ -635,10 +635,12 @@ bool Processor::transition_from_parked() noexcept {
     // Already off it: a waker took us off and counted us as searching (processor_to_notify and
     // wake_by_id both do), so we are one.
     searching_ = !sched_.idle().unpark_by_id(index_);
+    if (searching_) bump(wakeups_);
     return true;
   }
   if (sched_.idle().is_parked(index_)) return false;
   searching_ = true;  // a waker took us off the list (and counted us as searching)
+  bump(wakeups_);
   return true;
 }
 
@@ -684,6 +686,7 @@ void Processor::park_thread() noexcept {
       }
       timeout = timeout < 0 ? left : std::min(timeout, left);
     }
+    bump(sleeps_);
     poller_->wait(timeout);
   }
   // Shutting down: leave the sleepers list so counts stay consistent.
@@ -702,6 +705,8 @@ void Processor::stats_into(ProcessorStats& out) const noexcept {
   out.running = life() == Life::Running;
   out.switches = switches_.load(std::memory_order_relaxed);
   out.steals = steals_.load(std::memory_order_relaxed);
+  out.sleeps = sleeps_.load(std::memory_order_relaxed);
+  out.wakeups = wakeups_.load(std::memory_order_relaxed);
   out.spawned = spawned_.load(std::memory_order_relaxed);
   out.finished = finished_.load(std::memory_order_relaxed);
   for (std::size_t i = 0; i < kParkReasons; ++i) out.parks[i] = parks_[i].load(std::memory_order_relaxed);

@@ -256,6 +256,7 @@ class Processor {
   // Counters for stats(): single writer (the owner), relaxed (spawned_ and finished_: release,
   // see count_spawn()); readers may see them a few events apart from each other.
   std::atomic<uint64_t> steals_{0}, spawned_{0}, finished_{0};
+  std::atomic<uint64_t> sleeps_{0}, wakeups_{0};  // see ProcessorStats
   std::atomic<uint64_t> parks_[kParkReasons] = {};
   std::atomic<int64_t> now_ns_{0};  // see coarse_now_ns()
 
