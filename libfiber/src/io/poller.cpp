@@ -57,6 +57,7 @@ UringPoller::~UringPoller() {
 
 int UringPoller::setup(io_uring* ring) noexcept {
   const unsigned flag_sets[] = {
+      IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
       IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
       IORING_SETUP_SINGLE_ISSUER,
       0,
@@ -146,7 +147,13 @@ void UringPoller::wait(int64_t timeout_ns) noexcept {
 }
 
 bool UringPoller::poll() noexcept {
-  if (inflight_ == 0 && io_uring_sq_ready(&ring_) == 0) return false;
+  if (io_uring_sq_ready(&ring_) == 0) {
+    if (inflight_ == 0) return false;
+    // Nothing to submit and, as far as the kernel has flagged, nothing completed: skip the
+    // system call. A completion flagged just after this read is reaped by the next poll, or
+    // by wait(), which always enters the kernel before the thread sleeps.
+    if (nothing_pending()) return false;
+  }
   // With DEFER_TASKRUN completions are posted only when we ask for them: submit and get events
   // in one io_uring_enter.
   if (io_uring_submit_and_get_events(&ring_) == -EBUSY) io_uring_get_events(&ring_);

@@ -61,6 +61,9 @@ class Poller {
   // Without waiting: submits what is queued and wakes the fibers whose operations completed.
   // True if it woke any.
   virtual bool poll() noexcept = 0;
+  // Whether poll() finds out that nothing has completed without a system call (a ring set up
+  // with TASKRUN_FLAG), so polling in a loop is cheap (Processor::spin_for_work).
+  virtual bool polls_cheaply() const noexcept { return false; }
   // Any thread: makes a current or next wait() return.
   void wake() noexcept;
   PollerKind kind() const noexcept { return kind_; }
@@ -95,11 +98,12 @@ class UringPoller final : public Poller {
  public:
   UringPoller(int efd, io_uring ring) noexcept;
   ~UringPoller() override;
-  // Tries SINGLE_ISSUER|DEFER_TASKRUN, then fewer flags on EINVAL. Returns -errno on failure.
+  // Tries SINGLE_ISSUER|DEFER_TASKRUN|TASKRUN_FLAG, then fewer flags on EINVAL. Returns -errno on failure.
   static int setup(io_uring* ring) noexcept;
 
   void wait(int64_t timeout_ns) noexcept override;
   bool poll() noexcept override;
+  bool polls_cheaply() const noexcept override { return (ring_.flags & IORING_SETUP_TASKRUN_FLAG) != 0; }
 
   // An SQE for `op` (user_data set); never null: submits (and reaps, on -EBUSY) to make room.
   io_uring_sqe* sqe_for(IoOp* op) noexcept;
@@ -115,6 +119,14 @@ class UringPoller final : public Poller {
   void submit() noexcept;
   unsigned reap() noexcept;  // handles every CQE there is; returns how many woke a fiber
   void arm() noexcept;
+  // The ring has nothing for reap() and no completion waiting to be posted. Known only on a
+  // ring set up with TASKRUN_FLAG (the kernel then flags, in the SQ ring, completions that
+  // DEFER_TASKRUN holds until we enter the kernel); false, so the caller enters, elsewhere.
+  bool nothing_pending() const noexcept {
+    if ((ring_.flags & IORING_SETUP_TASKRUN_FLAG) == 0) return false;
+    const unsigned f = __atomic_load_n(ring_.sq.kflags, __ATOMIC_ACQUIRE);
+    return (f & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)) == 0 && io_uring_cq_ready(&ring_) == 0;
+  }
 
   io_uring ring_;
   uint64_t wake_buf_ = 0;
