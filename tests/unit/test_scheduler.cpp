@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -200,6 +202,79 @@ TEST_CASE("Scheduler: FIBER_PROCS") {
     const unsigned hw = std::thread::hardware_concurrency();
     CHECK(s.processors() == (hw ? hw : 1u));
   }
+}
+
+TEST_CASE("Scheduler: spin_before_sleep and FIBER_SPIN_US") {
+  SUBCASE("out of range is a UsageError naming the option") {
+    for (const auto bad : {-2us, 1'000'001us}) {
+      CAPTURE(bad.count());
+      const std::string msg = usage_message([bad] { fiber::Scheduler s({.processors = 1, .spin_before_sleep = bad}); });
+      CHECK_MESSAGE(contains(msg, "spin_before_sleep"), msg);
+    }
+  }
+  SUBCASE("invalid FIBER_SPIN_US values are a UsageError naming it") {
+    for (const char* bad : {"abc", "-1", "5x", "1000001", "99999999999999999999"}) {
+      CAPTURE(bad);
+      EnvGuard env("FIBER_SPIN_US", bad);
+      const std::string msg = usage_message([] { fiber::Scheduler s({.processors = 1}); });
+      CHECK_MESSAGE(contains(msg, "FIBER_SPIN_US"), "FIBER_SPIN_US=" << bad << ": " << msg);
+    }
+  }
+  SUBCASE("FIBER_SPIN_US sets it; an explicit value ignores it; unset is no spin") {
+    {
+      EnvGuard env("FIBER_SPIN_US", "40");
+      fiber::Scheduler s({.processors = 1});
+      // Zero where the engine cannot spin (epoll; a ring without TASKRUN_FLAG).
+      CHECK((s.spin_before_sleep() == 40us || s.spin_before_sleep() == 0us));
+    }
+    {
+      EnvGuard env("FIBER_SPIN_US", "abc");
+      fiber::Scheduler s({.processors = 1, .spin_before_sleep = 0us});
+      CHECK(s.spin_before_sleep() == 0us);
+    }
+    EnvGuard env("FIBER_SPIN_US", nullptr);
+    fiber::Scheduler s({.processors = 1});
+    CHECK(s.spin_before_sleep() == 0us);
+  }
+}
+
+// A second of spin outlasts everything below by far: processors that spin neither sleep nor
+// need waking. Where the engine cannot spin they sleep as usual, which is checked instead.
+TEST_CASE("Scheduler: spinning processors run spawns, timers and I/O without sleeping or being woken") {
+  for_each_proc_count([](fiber::Scheduler&, int n) {
+    fiber::Scheduler s({.processors = static_cast<std::size_t>(n), .name = "spin", .spin_before_sleep = 1s});
+    const bool spins = s.spin_before_sleep() == 1s;
+    if (!spins) CHECK(s.spin_before_sleep() == 0us);
+    // Without a spin every processor would be asleep by now (the idle-stats test).
+    std::this_thread::sleep_for(20ms);
+    // From a plain thread: the global queue.
+    CHECK(fiber::spawn({.scheduler = &s}, [] { return 7; }).join() == 7);
+    // A timer.
+    fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::sleep_for(1ms); }).join();
+    // An engine completion: a read that parks until this thread writes.
+    int p[2];
+    REQUIRE(::pipe(p) == 0);
+    std::atomic<bool> reading{false};
+    auto reader = fiber::spawn({.scheduler = &s}, [&] {
+      char c = 0;
+      reading.store(true);
+      return fiber::io::read(p[0], &c, 1) == 1 ? c : '?';
+    });
+    REQUIRE(wait_for([&] { return reading.load(); }));
+    std::this_thread::sleep_for(2ms);  // most likely parked in the read by now
+    REQUIRE(::write(p[1], "k", 1) == 1);
+    CHECK(reader.join() == 'k');
+    ::close(p[0]);
+    ::close(p[1]);
+    const fiber::SchedulerStats st = s.stats();
+    if (spins) {
+      CHECK(st.sleeps == 0);
+      CHECK(st.wakeups == 0);
+    } else {
+      CHECK(wait_for([&] { return s.stats().sleeps > 0; }));
+    }
+    s.stop();  // a processor in its spin leaves it for stop()
+  }, {1, 2});
 }
 
 TEST_CASE("Scheduler: FIBER_IO") {

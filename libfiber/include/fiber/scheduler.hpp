@@ -96,10 +96,19 @@ class FIBER_API Scheduler {
     std::string name = "fiber";
     // The blocked-processor watchdog; see WatchdogOptions.
     WatchdogOptions watchdog = {};
+    // How long a processor that has run out of fibers keeps looking for more (its engine, its
+    // queues, other processors') before its thread sleeps. Sleeping costs a thread switch, and
+    // waking a sleeper a system call from whoever wakes it (on loopback, the peer that sends to
+    // it): a short spin trades otherwise idle CPU for both, in servers whose requests come
+    // closer together than a sleep and a wake. -1: $FIBER_SPIN_US microseconds, else 0 (no
+    // spin). Spins only on the io_uring engine where the kernel flags completions (TASKRUN_FLAG,
+    // Linux 6.1): elsewhere each look is a system call. See "Spinning" in libfiber/README.md.
+    std::chrono::microseconds spin_before_sleep{-1};
   };
 
   // Starts the processors (and the watchdog's monitor thread). Throws UsageError for zero
-  // processors, an invalid $FIBER_PROCS, max_processors above 1024 or invalid watchdog timings,
+  // processors, an invalid $FIBER_PROCS or $FIBER_SPIN_US, a spin_before_sleep below -1 or
+  // above one second, max_processors above 1024 or invalid watchdog timings,
   // ResourceError when threads or rings cannot be created.
   Scheduler();
   explicit Scheduler(Options options);
@@ -116,6 +125,9 @@ class FIBER_API Scheduler {
 
   // Options::processors as resolved: the base count, without the watchdog's extra processors.
   std::size_t processors() const noexcept;
+  // Options::spin_before_sleep in effect: as resolved (option or $FIBER_SPIN_US), or zero where
+  // the engine cannot spin (epoll, or a ring without TASKRUN_FLAG).
+  std::chrono::microseconds spin_before_sleep() const noexcept;
   // Extra processor threads the watchdog runs now (0 when none is needed).
   std::size_t extra_processors() const noexcept;
   // Blocked-fiber incidents the watchdog has reported so far.

@@ -149,6 +149,8 @@ void Processor::thread_main() {
   while (!shutdown_.load(std::memory_order_acquire) && !retired_) {
     if (Fiber* f = find_work()) {
       run(f);
+    } else if (Fiber* f = spin_for_work()) {
+      run(f);
     } else {
       park_thread();
     }
@@ -621,6 +623,24 @@ Fiber* Processor::find_work_slow() noexcept {
 
 // ------------------------------------------------------------------------------ parking
 
+// Options::spin_before_sleep: out of fibers, look again and again for up to that long before
+// the thread sleeps (park_thread). Each look is find_work(): the LIFO slot and queue, the
+// engine (on a ring that flags its completions, no system call while nothing has completed),
+// timers and inbox, and - as a searcher, when fewer than half the processors search - other
+// processors' queues and the injector. A searcher that keeps searching is why wakers wake
+// nobody else meanwhile. nullptr when the time is up or the scheduler stops.
+Fiber* Processor::spin_for_work() noexcept {
+  const int64_t spin = sched_.spin_ns();
+  if (spin == 0 || !poller_->polls_cheaply()) return nullptr;
+  settle_group_debt();  // as park_thread() does first: a block_on waiter must not wait for the spin
+  const int64_t until = steady_now_ns() + spin;
+  do {
+    for (int i = 0; i < 16; ++i) __builtin_ia32_pause();
+    if (Fiber* f = find_work()) return f;
+  } while (!shutdown_.load(std::memory_order_acquire) && steady_now_ns() < until);
+  return nullptr;
+}
+
 bool Processor::transition_to_parked() noexcept {
   if (has_local_work()) return false;
   const bool last_searcher = sched_.idle().transition_to_parked(index_, searching_);
@@ -697,6 +717,11 @@ void Processor::park_thread() noexcept {
 }
 
 // ------------------------------------------------------------------------------ stats
+
+bool Processor::polls_cheaply() const noexcept {
+  std::lock_guard lock(life_mu_);  // the poller comes and goes with the thread
+  return poller_ && poller_->polls_cheaply();
+}
 
 static_assert(kParkReasons == static_cast<std::size_t>(ParkReason::Blocking) + 1, "fiber::kParkReasons");
 

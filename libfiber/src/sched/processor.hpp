@@ -75,6 +75,8 @@ class Processor {
   RunQueue::Stealer stealer() const noexcept { return stealer_; }
   TimerQueue& timers() noexcept { return timers_; }
   Poller& poller() noexcept { return *poller_; }
+  // Any thread: whether its engine can be polled in a loop cheaply (Poller::polls_cheaply).
+  bool polls_cheaply() const noexcept;
   uint64_t next_fiber_id() noexcept;
 
   // ---- For the monitor (any thread).
@@ -210,6 +212,7 @@ class Processor {
   bool maintenance() noexcept;  // timers, inbox; true if it made a fiber runnable
   bool drain_inbox() noexcept;
   bool has_local_work() const noexcept;
+  Fiber* spin_for_work() noexcept;
   void park_thread() noexcept;
   bool transition_to_parked() noexcept;
   bool transition_from_parked() noexcept;

@@ -59,6 +59,29 @@ uint32_t resolve_max_processors(std::size_t requested, uint32_t base) {
   return static_cast<uint32_t>(std::max<std::size_t>(requested, base));
 }
 
+// Options::spin_before_sleep as resolved, in ns: -1 reads $FIBER_SPIN_US (microseconds).
+int64_t resolve_spin_ns(std::chrono::microseconds requested) {
+  constexpr long kMaxUs = 1'000'000;
+  if (requested.count() != -1) {
+    if (requested.count() < 0 || requested.count() > kMaxUs) {
+      throw UsageError("fiber::Scheduler: spin_before_sleep " + std::to_string(requested.count()) +
+                       " us is outside 0 to 1 s (-1: $FIBER_SPIN_US)");
+    }
+    return requested.count() * 1000;
+  }
+  if (const char* env = std::getenv("FIBER_SPIN_US"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(env, &end, 10);
+    if (errno != 0 || end == env || *end != '\0' || v < 0 || v > kMaxUs) {
+      throw UsageError(std::string("fiber: invalid FIBER_SPIN_US value '") + env +
+                       "' (expected microseconds from 0 to 1000000)");
+    }
+    return static_cast<int64_t>(v) * 1000;
+  }
+  return 0;
+}
+
 // Checks the watchdog options; returns retire_after in ns.
 int64_t checked_retire_after_ns(const WatchdogOptions& w) {
   if (w.enabled) {
@@ -76,6 +99,7 @@ SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
       default_stack_class_(resolve_stack_size(o.stack_size)),
       base_(static_cast<uint32_t>(resolve_processor_count(o.processors))),
       retire_after_ns_(checked_retire_after_ns(o.watchdog)),
+      spin_ns_(resolve_spin_ns(o.spin_before_sleep)),
       idle_(base_, resolve_max_processors(o.max_processors, base_)),
       registry_(resolve_max_processors(o.max_processors, base_)),
       processors_(resolve_max_processors(o.max_processors, base_)) {
@@ -214,6 +238,12 @@ Scheduler::~Scheduler() {
 void Scheduler::stop() { impl_->stop(); }
 
 std::size_t Scheduler::processors() const noexcept { return impl_->base_processors(); }
+
+std::chrono::microseconds Scheduler::spin_before_sleep() const noexcept {
+  // Processor 0 is a base processor: its thread and engine live as long as the scheduler runs.
+  if (impl_->spin_ns() == 0 || !impl_->processor(0).polls_cheaply()) return std::chrono::microseconds{0};
+  return std::chrono::microseconds{impl_->spin_ns() / 1000};
+}
 
 std::size_t Scheduler::extra_processors() const noexcept { return impl_->watchdog_stats().extra_running; }
 

@@ -103,6 +103,7 @@ class SchedulerImpl {
   // Processors blocked at the monitor's last sample; 0 without a monitor.
   uint32_t blocked_processors() const noexcept { return monitor_ ? monitor_->blocked_now() : 0; }
   int64_t retire_after_ns() const noexcept { return retire_after_ns_; }
+  int64_t spin_ns() const noexcept { return spin_ns_; }  // Options::spin_before_sleep
   FiberReadHazard& hazard() noexcept { return hazard_; }
   // A processor is about to drop its reference to finished fiber `f`: wait while the monitor
   // reads it. A compiler barrier and one load when nothing is being read.
@@ -115,6 +116,7 @@ class SchedulerImpl {
   std::size_t default_stack_class_;
   uint32_t base_;
   int64_t retire_after_ns_;
+  int64_t spin_ns_;
   Idle idle_;
   Injector injector_;
   mutable Registry registry_;  // mutable: dump() walks it under its locks
