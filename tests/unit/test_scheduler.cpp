@@ -246,7 +246,7 @@ TEST_CASE("Scheduler: spinning processors run spawns, timers and I/O without sle
     const bool spins = s.spin_before_sleep() == 1s;
     if (!spins) CHECK(s.spin_before_sleep() == 0us);
     // Without a spin every processor would be asleep by now (the idle-stats test).
-    std::this_thread::sleep_for(20ms);
+    std::this_thread::sleep_for(5ms);
     // From a plain thread: the global queue.
     CHECK(fiber::spawn({.scheduler = &s}, [] { return 7; }).join() == 7);
     // A timer.

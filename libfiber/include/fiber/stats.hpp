@@ -29,10 +29,11 @@ struct ProcessorStats {
   bool running = false;             // its thread runs (extra processors come and go)
   std::uint64_t switches = 0;       // fiber switches (and yields with nothing else to run)
   std::uint64_t steals = 0;         // successful steals from other processors' queues
-  // Idle time: how often its thread slept in its engine (for I/O, a timer or a wake) having
-  // nothing to run, and how often another thread woke it to look for work. Many of either per
-  // unit of work mean the processors share too little work to stay busy (see libfiber/README.md,
-  // "Idle processors").
+  // Idle time: how often its thread, having nothing to run, entered its engine's wait (for
+  // I/O, a timer or a wake), and how often a waker took it off the sleepers list to look for
+  // work (another thread, or itself as the last searcher seeing work queued). Many of either
+  // per unit of work mean the processors share too little work to stay busy (see
+  // libfiber/README.md, "Idle processors").
   std::uint64_t sleeps = 0;
   std::uint64_t wakeups = 0;
   std::uint64_t spawned = 0;        // fibers spawned by fibers running here

@@ -566,10 +566,18 @@ void Processor::stop_searching() noexcept {
   if (sched_.idle().transition_from_searching()) sched_.notify_if_work_pending();
 }
 
-void Processor::found_work_while_searching() noexcept {
+void Processor::found_work_while_searching(bool elsewhere) noexcept {
   searching_ = false;
-  // The last searcher hands the search on: what it found may have company.
-  if (sched_.idle().transition_from_searching()) sched_.notify_parked();
+  if (!sched_.idle().transition_from_searching()) return;
+  // The last searcher hands the search on. Work taken from another processor or the injector
+  // may have company there: wake a sleeper. Work of its own (its queue, engine, timers, inbox:
+  // what a spinning processor mostly finds) says nothing of the others, so, as when it stops
+  // searching empty-handed, wake one only if some queue holds work that wakers left to it.
+  if (elsewhere) {
+    sched_.notify_parked();
+  } else {
+    sched_.notify_if_work_pending();
+  }
 }
 
 bool Processor::maintenance() noexcept {
@@ -612,12 +620,13 @@ bool Processor::maintenance() noexcept {
 Fiber* Processor::find_work_slow() noexcept {
   if ((tick_ & (kEventInterval - 1)) == 0) maintenance();
   Fiber* f = next_local();
-  if (f == nullptr) f = steal_work();
+  bool elsewhere = false;  // from a victim or an injector batch (steal_work)
+  if (f == nullptr) elsewhere = (f = steal_work()) != nullptr;
   if (f == nullptr && maintenance()) f = next_local();
   // A searcher stops searching when it has something to run, wherever that came from (its own
   // queue, the injector, a victim). Until then the idle state counts it as looking for work
   // and wakes nobody else.
-  if (f != nullptr && searching_) [[unlikely]] found_work_while_searching();
+  if (f != nullptr && searching_) [[unlikely]] found_work_while_searching(elsewhere);
   return f;
 }
 

@@ -207,7 +207,7 @@ class Processor {
   bool injector_due() const noexcept { return tick_ - last_injector_tick_ >= kGlobalInterval; }
   Fiber* steal_work() noexcept;
   Fiber* refill_from_injector() noexcept;
-  void found_work_while_searching() noexcept;
+  void found_work_while_searching(bool elsewhere) noexcept;
   void stop_searching() noexcept;  // found nothing and carries on running: leave the search
   bool maintenance() noexcept;  // timers, inbox; true if it made a fiber runnable
   bool drain_inbox() noexcept;
