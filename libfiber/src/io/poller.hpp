@@ -123,7 +123,7 @@ class UringPoller final : public Poller {
   // ring set up with TASKRUN_FLAG (the kernel then flags, in the SQ ring, completions that
   // DEFER_TASKRUN holds until we enter the kernel); false, so the caller enters, elsewhere.
   bool nothing_pending() const noexcept {
-    if ((ring_.flags & IORING_SETUP_TASKRUN_FLAG) == 0) return false;
+    if (!polls_cheaply()) return false;
     const unsigned f = __atomic_load_n(ring_.sq.kflags, __ATOMIC_ACQUIRE);
     return (f & (IORING_SQ_TASKRUN | IORING_SQ_CQ_OVERFLOW)) == 0 && io_uring_cq_ready(&ring_) == 0;
   }

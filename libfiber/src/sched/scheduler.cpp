@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -14,6 +15,24 @@
 namespace fiber {
 namespace detail {
 
+namespace {
+
+// $name as an integer in [lo, hi]; nullopt when unset or empty. Anything else is a UsageError
+// that names the variable and says what was `expected`.
+std::optional<long> env_in_range(const char* name, long lo, long hi, const char* expected) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(env, &end, 10);
+  if (errno != 0 || end == env || *end != '\0' || v < lo || v > hi) {
+    throw UsageError(std::string("fiber: invalid ") + name + " value '" + env + "' (expected " + expected + ")");
+  }
+  return v;
+}
+
+}  // namespace
+
 std::size_t resolve_processor_count(std::size_t requested) {
   if (requested != Scheduler::auto_processors) {
     if (requested == 0) throw UsageError("fiber::Scheduler: a scheduler needs at least one processor (got 0)");
@@ -22,14 +41,8 @@ std::size_t resolve_processor_count(std::size_t requested) {
     }
     return requested;
   }
-  if (const char* env = std::getenv("FIBER_PROCS"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    errno = 0;
-    const long v = std::strtol(env, &end, 10);
-    if (errno != 0 || end == env || *end != '\0' || v < 1 || v > 1024) {
-      throw UsageError(std::string("fiber: invalid FIBER_PROCS value '") + env + "' (expected an integer from 1 to 1024)");
-    }
-    return static_cast<std::size_t>(v);
+  if (const auto v = env_in_range("FIBER_PROCS", 1, 1024, "an integer from 1 to 1024")) {
+    return static_cast<std::size_t>(*v);
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw ? hw : 1;
@@ -69,17 +82,8 @@ int64_t resolve_spin_ns(std::chrono::microseconds requested) {
     }
     return requested.count() * 1000;
   }
-  if (const char* env = std::getenv("FIBER_SPIN_US"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    errno = 0;
-    const long v = std::strtol(env, &end, 10);
-    if (errno != 0 || end == env || *end != '\0' || v < 0 || v > kMaxUs) {
-      throw UsageError(std::string("fiber: invalid FIBER_SPIN_US value '") + env +
-                       "' (expected microseconds from 0 to 1000000)");
-    }
-    return static_cast<int64_t>(v) * 1000;
-  }
-  return 0;
+  const auto v = env_in_range("FIBER_SPIN_US", 0, kMaxUs, "microseconds from 0 to 1000000");
+  return v ? static_cast<int64_t>(*v) * 1000 : 0;
 }
 
 // Checks the watchdog options; returns retire_after in ns.
