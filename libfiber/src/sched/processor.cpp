@@ -718,10 +718,10 @@ void Processor::park_thread() noexcept {
     bump(sleeps_);
     poller_->wait(timeout);
   }
-  // Shutting down: leave the sleepers list so counts stay consistent.
-  if (!sched_.idle().unpark_by_id(index_)) {
-    if (searching_) sched_.idle().transition_from_searching();
-  }
+  // Shutting down: leave the sleepers list so counts stay consistent. Already off it: a waker
+  // took us off and counted us as searching (transition_from_parked's rule), a share that is
+  // ours to give back. (searching_ is false here: every path that sets it returns above.)
+  if (!sched_.idle().unpark_by_id(index_)) sched_.idle().transition_from_searching();
   searching_ = false;
 }
 
