@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -52,13 +53,10 @@ namespace {
 
 std::size_t resolve_stack_size(std::size_t requested) {
   if (requested != 0) return stack_size_class(requested);
-  if (const char* env = std::getenv("FIBER_STACK_SIZE"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const unsigned long long v = std::strtoull(env, &end, 10);
-    if (end == env || *end != '\0') {
-      throw UsageError(std::string("fiber: invalid FIBER_STACK_SIZE value '") + env + "' (expected bytes)");
-    }
-    return stack_size_class(v);
+  static_assert(kMaxStackSize <= static_cast<std::size_t>(LONG_MAX), "env_in_range parses a long");
+  if (const auto v = env_in_range("FIBER_STACK_SIZE", static_cast<long>(kMinStackSize), static_cast<long>(kMaxStackSize),
+                                  "bytes from 2048 to 1073741824")) {
+    return stack_size_class(static_cast<std::size_t>(*v));
   }
   return kDefaultStackSize;
 }
