@@ -226,6 +226,26 @@ TEST_CASE("Scheduler: FIBER_STACK_SIZE") {
   }
 }
 
+// Both are read by process-wide parts, later and elsewhere (the stack allocator on a first
+// stack, the blocking pool on a first offloaded call, where an error could only be an errno);
+// the constructor checks them so that a bad value is reported to the code that made the mistake.
+TEST_CASE("Scheduler: FIBER_GUARDED_STACKS and FIBER_BLOCKING_THREADS are checked by the constructor") {
+  for (const char* var : {"FIBER_GUARDED_STACKS", "FIBER_BLOCKING_THREADS"}) {
+    CAPTURE(var);
+    // "-1" was once read by strtoull as 2^64 - 1 guarded stacks, and "abc" ignored.
+    for (const char* bad : {"abc", "-1", "+4", " 4", "4x", "0x10", "99999999999999999999999"}) {
+      CAPTURE(bad);
+      EnvGuard env(var, bad);
+      const std::string msg = usage_message([] { fiber::Scheduler s({.processors = 1}); });
+      CHECK_MESSAGE(contains(msg, var), var << "=" << bad << ": " << msg);
+      CHECK_MESSAGE(contains(msg, std::string("'") + bad + "'"), msg);
+    }
+    EnvGuard env(var, "16");
+    fiber::Scheduler s({.processors = 1});
+    CHECK(fiber::spawn({.scheduler = &s}, [] { return 8; }).join() == 8);
+  }
+}
+
 TEST_CASE("Scheduler: spin_before_sleep and FIBER_SPIN_US") {
   SUBCASE("out of range is a UsageError naming the option") {
     for (const auto bad : {-2us, 1'000'001us}) {

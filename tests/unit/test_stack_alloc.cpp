@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -63,6 +64,18 @@ TEST_CASE("stacks: with the address space used up, spawns fail with ResourceErro
   INFO("the child's status " << r.status << "; its stdout:\n" << r.out << "\nits stderr:\n" << r.err);
   CHECK(r.status == 0);
   CHECK(contains(r.out, "refused and recovered"));
+}
+
+TEST_CASE("stacks: FIBER_GUARDED_STACKS parsing") {
+  using fd::parse_guarded_stacks;
+  CHECK_FALSE(parse_guarded_stacks(nullptr).has_value());
+  CHECK_FALSE(parse_guarded_stacks("").has_value());
+  CHECK(parse_guarded_stacks("0") == std::optional<std::size_t>(0));
+  CHECK(parse_guarded_stacks("100") == std::optional<std::size_t>(100));
+  for (const char* bad : {"-1", "+4", " 4", "4 ", "abc", "1e3", "99999999999999999999999"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(parse_guarded_stacks(bad), doctest::Contains("FIBER_GUARDED_STACKS"), fiber::UsageError);
+  }
 }
 
 // Caches refill in batches (allocate_batch), and where the kernel has guard markers a fresh chunk

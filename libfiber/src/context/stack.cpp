@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -127,6 +129,18 @@ std::size_t stack_size_class(std::size_t requested) {
   return (requested + page - 1) & ~(page - 1);
 }
 
+std::optional<std::size_t> parse_guarded_stacks(const char* value) {
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  const std::string_view v(value);
+  std::size_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n, 10);
+  if (ec != std::errc() || end != v.data() + v.size()) {
+    throw UsageError("fiber: invalid FIBER_GUARDED_STACKS value '" + std::string(v) +
+                     "' (expected a number of stacks: a non-negative integer)");
+  }
+  return n;
+}
+
 StackAllocator& StackAllocator::instance() {
   // Never destroyed: stacks may be returned by threads still running during static destruction.
   static StackAllocator* a = new StackAllocator();
@@ -138,10 +152,8 @@ StackAllocator::StackAllocator() {
   // Guarded stacks cost two mappings each. Spend at most a quarter of vm.max_map_count on them,
   // leaving the rest to the program (its heap, libraries, files). FIBER_GUARDED_STACKS overrides.
   guarded_limit_ = read_max_map_count() / 8;
-  if (const char* env = std::getenv("FIBER_GUARDED_STACKS")) {
-    char* end = nullptr;
-    unsigned long long v = std::strtoull(env, &end, 10);
-    if (end != env && *end == '\0') guarded_limit_ = v;
+  if (const auto v = parse_guarded_stacks(std::getenv("FIBER_GUARDED_STACKS"))) {
+    guarded_limit_ = *v;
   } else {
     // Guard markers cost no mapping: no budget, every stack of a page or more is guarded.
     guard_markers_ = guard_markers_work(page_);

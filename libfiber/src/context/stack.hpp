@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -75,6 +76,12 @@ struct StackStats {
   std::size_t pooled = 0;          // stacks idle in the global pool
   bool guard_markers = false;      // guard pages are markers: every stack of a page or more is guarded
 };
+
+// $FIBER_GUARDED_STACKS = `value`: how many stacks may have a guard page of their own; nullopt
+// for nullptr or "" (the default budget applies). Anything but a decimal integer of digits alone
+// throws UsageError naming the variable. The Scheduler's constructor checks it too, so a bad value
+// is reported there rather than wherever the allocator is first used.
+std::optional<std::size_t> parse_guarded_stacks(const char* value);
 
 // Process-wide. Thread-safe.
 class StackAllocator {

@@ -8,8 +8,10 @@
 #include <string>
 #include <thread>
 
+#include "context/stack.hpp"
 #include "fiber/error.hpp"
 #include "fiber/scheduler.hpp"
+#include "io/blocking_pool.hpp"
 #include "sched/runtime.hpp"
 #include "sched/scheduler_impl.hpp"
 
@@ -105,7 +107,11 @@ SchedulerImpl::SchedulerImpl(const Scheduler::Options& o)
       idle_(base_, resolve_max_processors(o.max_processors, base_)),
       registry_(resolve_max_processors(o.max_processors, base_)),
       processors_(resolve_max_processors(o.max_processors, base_)) {
+  // Variables read later, by process-wide parts, are checked here, where a bad one is reported to
+  // the code that constructs the scheduler.
   Poller::validate_env();
+  (void)parse_guarded_stacks(std::getenv("FIBER_GUARDED_STACKS"));
+  (void)parse_blocking_threads(std::getenv("FIBER_BLOCKING_THREADS"));
   decide_wait_start();  // before any processor thread exists: they read it without a lock
   if (o.watchdog.enabled) {
     hazard_.enable();  // before any processor thread exists: they read it without a lock
