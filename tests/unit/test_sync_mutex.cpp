@@ -7,11 +7,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <shared_mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "team.hpp"
@@ -117,6 +120,72 @@ TEST_CASE("mutex: timed lock - never before the deadline; negative means try_loc
     });
     team.join();
   }
+}
+
+// Every timed wait converts its limit to a steady-clock deadline in nanoseconds, which hold only
+// ~292 years either side of the epoch. A far or coarse limit once overflowed there (undefined
+// behaviour; in practice a deadline in the past, so "wait for ever" returned false at once).
+// Such limits must mean "no deadline", and far-past ones "already expired", from fibers and
+// threads alike; sleep_for(hours::max()) must sleep until cancelled.
+TEST_CASE("timed waits: far, coarse and NaN limits saturate instead of overflowing") {
+  using namespace std::chrono;
+  using SteadySecs = time_point<steady_clock, seconds>;
+  using SystemSecs = time_point<system_clock, seconds>;
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<std::pair<std::string, std::function<bool(fiber::Mutex&)>>> never = {
+      {"steady, seconds, 2^40", [](fiber::Mutex& m) { return m.try_lock_until(SteadySecs(seconds(1LL << 40))); }},
+      {"steady, hours, max()", [](fiber::Mutex& m) { return m.try_lock_until(time_point<steady_clock, hours>::max()); }},
+      {"system, seconds, 2^40", [](fiber::Mutex& m) { return m.try_lock_until(SystemSecs(seconds(1LL << 40))); }},
+      {"system, hours, max()", [](fiber::Mutex& m) { return m.try_lock_until(time_point<system_clock, hours>::max()); }},
+      {"for hours::max()", [](fiber::Mutex& m) { return m.try_lock_for(hours::max()); }},
+      {"for seconds 2^40", [](fiber::Mutex& m) { return m.try_lock_for(seconds(1LL << 40)); }},
+      {"for infinite seconds", [inf](fiber::Mutex& m) { return m.try_lock_for(duration<double>(inf)); }},
+  };
+  const std::vector<std::pair<std::string, std::function<bool(fiber::Mutex&)>>> past = {
+      {"steady, seconds, -2^40", [](fiber::Mutex& m) { return m.try_lock_until(SteadySecs(seconds(-(1LL << 40)))); }},
+      {"steady, hours, min()", [](fiber::Mutex& m) { return m.try_lock_until(time_point<steady_clock, hours>::min()); }},
+      {"system, hours, min()", [](fiber::Mutex& m) { return m.try_lock_until(time_point<system_clock, hours>::min()); }},
+      {"for hours::min()", [](fiber::Mutex& m) { return m.try_lock_for(hours::min()); }},
+      {"for NaN seconds", [nan](fiber::Mutex& m) { return m.try_lock_for(duration<double>(nan)); }},
+      {"until NaN seconds", [nan](fiber::Mutex& m) {
+         return m.try_lock_until(time_point<steady_clock, duration<double>>(duration<double>(nan)));
+       }},
+  };
+  fiber::Scheduler s({.processors = 2, .name = "far"});
+  fiber::Mutex m;
+  for (Where w : {Where::fiber, Where::thread}) {
+    CAPTURE(static_cast<int>(w));
+    for (const auto& [what, wait] : never) {
+      CAPTURE(what);
+      m.lock();
+      std::atomic<bool> returned{false}, got{false};
+      Team team;
+      team.spawn(w, s, [&, &wait = wait] {
+        got = wait(m);
+        returned = true;
+        if (got) m.unlock();
+      });
+      std::this_thread::sleep_for(20ms);
+      CHECK_FALSE(returned.load());  // still waiting: the limit is no deadline
+      m.unlock();
+      team.join();
+      CHECK(got.load());
+    }
+    for (const auto& [what, wait] : past) {
+      CAPTURE(what);
+      m.lock();
+      Team team;
+      team.spawn(w, s, [&, &wait = wait] { CHECK_FALSE(wait(m)); });
+      team.join();  // returns at once: the limit is long past
+      m.unlock();
+    }
+  }
+  auto sleeper = fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::sleep_for(hours::max()); });
+  std::this_thread::sleep_for(20ms);
+  CHECK_FALSE(sleeper.finished());
+  sleeper.cancel();
+  CHECK_THROWS_AS(sleeper.join(), fiber::Cancelled);
 }
 
 TEST_CASE("mutex: mutual exclusion with fibers and threads") {

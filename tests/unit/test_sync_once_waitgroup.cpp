@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -169,6 +170,15 @@ TEST_CASE("waitgroup: a negative counter is a UsageError, also under concurrent 
   expect_usage_error([&] { wg.add(-3); }, "negative");
   CHECK(wg.count() == 2);
   wg.add(-2);
+  // Beyond the counter's range: an error too, not a signed overflow (undefined; in practice a
+  // wrap to a negative count).
+  constexpr auto kMax = std::numeric_limits<std::int64_t>::max();
+  wg.add(kMax);
+  expect_usage_error([&] { wg.add(1); }, "overflow");
+  expect_usage_error([&] { wg.add(kMax); }, "overflow");
+  CHECK(wg.count() == kMax);
+  wg.add(-kMax);
+  CHECK(wg.count() == 0);
   // Regression: a failing add(-2) must never make a concurrent, valid done() fail (the old add
   // applied the delta and undid it, so others could see the transient negative value). Two
   // threads meet at a spin barrier every round and act after a random jitter of a few dozen

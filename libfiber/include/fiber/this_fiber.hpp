@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "fiber/config.hpp"
+#include "fiber/detail/wait.hpp"
 
 namespace fiber::this_fiber {
 
@@ -29,9 +30,10 @@ FIBER_API unsigned processor_index();
 // past returns at once (after a yield, in a fiber). Throws fiber::Cancelled if cancelled.
 FIBER_API void sleep_until(std::chrono::steady_clock::time_point deadline);
 
+// Sleeps for `d`; a d of 100 years or more (hours::max(), say) sleeps until cancelled.
 template <typename Rep, typename Period>
 void sleep_for(std::chrono::duration<Rep, Period> d) {
-  sleep_until(std::chrono::steady_clock::now() + std::chrono::ceil<std::chrono::steady_clock::duration>(d));
+  sleep_until(detail::deadline_after(d));
 }
 
 // Pins the calling fiber to the processor it runs on for the guard's lifetime: it is resumed

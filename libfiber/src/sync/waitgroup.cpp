@@ -6,6 +6,24 @@
 
 namespace fiber {
 
+namespace {
+
+// cur + delta, or a UsageError if that is negative or beyond the counter's range.
+std::int64_t checked_sum(std::int64_t cur, std::int64_t delta) {
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(cur, delta, &sum)) {
+    throw UsageError("fiber::WaitGroup::add: the counter would overflow (" + std::to_string(cur) + " + " +
+                     std::to_string(delta) + ")");
+  }
+  if (sum < 0) {
+    throw UsageError("fiber::WaitGroup::add: the counter would become negative (" + std::to_string(cur) + " + " +
+                     std::to_string(delta) + ")");
+  }
+  return sum;
+}
+
+}  // namespace
+
 // The counter reaches zero only under mu_, and a waiter reads zero only under mu_: a waiter that
 // sees zero and returns (and may destroy the WaitGroup, as in the header's example) knows the
 // add() that got there has released the lock and will not touch the object again. Changes that
@@ -13,11 +31,7 @@ namespace fiber {
 void WaitGroup::add(std::int64_t delta) {
   std::int64_t cur = count_.load(std::memory_order_relaxed);
   for (;;) {
-    const std::int64_t now = cur + delta;
-    if (now < 0) {
-      throw UsageError("fiber::WaitGroup::add: the counter would become negative (" + std::to_string(cur) + " + " +
-                       std::to_string(delta) + ")");
-    }
+    const std::int64_t now = checked_sum(cur, delta);
     if (now == 0) break;  // only under the lock, below
     // A CAS loop, not fetch_add-then-undo: a transient negative value would make a concurrent
     // done() fail spuriously.
@@ -27,13 +41,11 @@ void WaitGroup::add(std::int64_t delta) {
   {
     std::lock_guard lock(mu_);
     cur = count_.load(std::memory_order_relaxed);
+    std::int64_t now = 0;
     do {
-      if (cur + delta < 0) {
-        throw UsageError("fiber::WaitGroup::add: the counter would become negative (" + std::to_string(cur) + " + " +
-                         std::to_string(delta) + ")");
-      }
-    } while (!count_.compare_exchange_weak(cur, cur + delta, std::memory_order_acq_rel, std::memory_order_relaxed));
-    if (cur + delta == 0 && delta != 0) {
+      now = checked_sum(cur, delta);
+    } while (!count_.compare_exchange_weak(cur, now, std::memory_order_acq_rel, std::memory_order_relaxed));
+    if (now == 0 && delta != 0) {
       // Claim every waiter under the lock; wake them outside it (a claimed waiter cannot return
       // before it is woken, so the object is still alive for that).
       while (detail::Waiter* w = waiters_.pop_front()) {

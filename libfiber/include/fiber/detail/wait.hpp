@@ -100,26 +100,40 @@ FIBER_API WakeReason waiter_state(const Waiter& w) noexcept;
 using Deadline = std::chrono::steady_clock::time_point;
 inline constexpr Deadline kNoDeadline = Deadline::max();
 
-// now + d, saturating: d <= 0 gives now (already expired), d beyond ~100 years gives kNoDeadline.
+// How far a timed wait may reach: beyond it, a deadline is none. 100 years, well inside the
+// ~292 years either side of its epoch that the steady clock's nanoseconds hold.
+inline constexpr std::chrono::hours kFarDeadline{24 * 365 * 100};
+
+// now + d, saturating: d <= 0 (or NaN) gives now (already expired), d beyond kFarDeadline gives
+// kNoDeadline. So sleep_for(hours::max()) sleeps for ever rather than overflow.
 template <typename Rep, typename Period>
 Deadline deadline_after(std::chrono::duration<Rep, Period> d) noexcept {
   const Deadline now = std::chrono::steady_clock::now();
-  if (d <= d.zero()) return now;
-  if (d >= std::chrono::hours(24 * 365 * 100)) return kNoDeadline;
+  if (!(d > d.zero())) return now;
+  if (d >= kFarDeadline) return kNoDeadline;
   return now + std::chrono::ceil<std::chrono::steady_clock::duration>(d);
 }
-// A time point of any clock as a steady-clock deadline (other clocks: by the time left now).
+// A time point of any clock as a steady-clock deadline (other clocks: by the time left now),
+// saturating as deadline_after does. The comparisons are made in seconds as doubles first:
+// converting a far time point to nanoseconds (max(), min(), a date hundreds of years out in
+// seconds or hours) overflows, and so does any comparison that converts to a common unit.
 template <typename Clock, typename Duration>
 Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcept {
+  using Seconds = std::chrono::duration<double>;
+  constexpr double kFar = Seconds(kFarDeadline).count();
+  const double at = Seconds(tp.time_since_epoch()).count();
   if constexpr (std::is_same_v<Clock, std::chrono::steady_clock>) {
-    if (tp == std::chrono::time_point<Clock, Duration>::max()) return kNoDeadline;
+    // The steady clock's epoch is about the boot: nothing before it is ahead, and no uptime
+    // comes near kFar.
+    if (!(at > 0)) return Deadline{};  // expired (and NaN)
+    if (at >= kFar) return kNoDeadline;
     return std::chrono::ceil<std::chrono::steady_clock::duration>(tp);
   } else {
-    // Compared before subtracting: tp - now overflows for a tp far in the past (min()).
     const auto now = Clock::now();
-    if (tp <= now) return std::chrono::steady_clock::now();
-    if (tp == std::chrono::time_point<Clock, Duration>::max()) return kNoDeadline;
-    return deadline_after(tp - now);
+    const double ahead = at - Seconds(now.time_since_epoch()).count();
+    if (!(ahead > 0)) return std::chrono::steady_clock::now();
+    if (ahead >= kFar) return kNoDeadline;
+    return deadline_after(tp - now);  // both within kFar of each other: no overflow
   }
 }
 
