@@ -301,9 +301,18 @@ TEST_CASE("barrier: arrive_and_drop, cancellation and misuse") {
   team.join();
   CHECK(b2.phase() == 1);
 
+  // The arrival that completes a phase is told so, arrive_and_drop's too: a drop that leaves
+  // the phase short returns false and the arrival that fills it true.
+  fiber::Barrier b3(2);
+  CHECK_FALSE(b3.arrive_and_drop());
+  CHECK(b3.phase() == 0);
+  CHECK(fiber::spawn({.scheduler = &s}, [&] { return b3.arrive_and_wait(); }).join());
+  CHECK(b3.phase() == 1);
+
   fiber::Barrier one(1);
   CHECK(one.arrive_and_wait());  // a single participant completes every phase itself
-  one.arrive_and_drop();
+  CHECK(one.arrive_and_drop());  // and its drop completes one too
+  CHECK(one.phase() == 2);
   expect_usage_error([&] { one.arrive_and_wait(); }, "dropped out");
   expect_usage_error([&] { one.arrive_and_drop(); }, "dropped out");
   expect_usage_error([] { fiber::Barrier bad(0); }, "at least one participant");

@@ -5,13 +5,14 @@
 //   for (int w = 0; w < workers; ++w) go [&] {
 //     for (int round = 0; round < rounds; ++round) {
 //       compute(round);
-//       if (step.arrive_and_wait()) publish(round);   // exactly one caller per phase gets true
+//       if (step.arrive_and_wait()) publish(round);   // true for the arrival that completed the phase
 //     }
 //   };
 //
 // A phase completes when as many participants have arrived as it expects; then every waiter is
-// woken and the next phase begins. arrive_and_drop() leaves for good. Waiting parks a fiber and
-// blocks a thread; any mix works.
+// woken and the next phase begins. arrive_and_drop() leaves for good; when its arrival is the one
+// that completes a phase, it returns true and every arrive_and_wait() of that phase false. Waiting
+// parks a fiber and blocks a thread; any mix works.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +35,8 @@ class FIBER_API Barrier {
   // left, Cancelled (a cancelled waiter's arrival is withdrawn if the phase has not completed).
   bool arrive_and_wait();
   // Arrives without waiting and leaves: this and every later phase expect one participant less.
-  // Throws UsageError if no participant is left.
-  void arrive_and_drop();
+  // Returns true if this arrival completed the phase. Throws UsageError if no participant is left.
+  bool arrive_and_drop();
   // Phases completed so far (a snapshot).
   std::uint64_t phase() const noexcept;
 

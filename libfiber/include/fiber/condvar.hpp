@@ -11,16 +11,21 @@
 //   { std::lock_guard g(mu); jobs.push_back(job); }
 //   cv.notify_one();
 //
-// Works with any lock whose unlock() does not block: std::unique_lock<fiber::Mutex> (the usual
-// one), std::unique_lock<fiber::RWMutex>, even std::unique_lock<std::mutex>. A waiter is queued
-// before the lock is released, so a notify issued after the waiter released the lock always
-// reaches it. Spurious wakeups do not happen, but use the predicate forms anyway.
+// Works with any lock whose unlock() does not block and that records whether it is held:
+// std::unique_lock<fiber::Mutex> (the usual one), std::unique_lock<fiber::RWMutex>, even
+// std::unique_lock<std::mutex>. Not a bare fiber::Mutex: a cancelled fiber's re-lock can throw
+// and leave it unlocked (see below), and a std::lock_guard around it would then unlock it again
+// while unwinding, a UsageError in a destructor, which terminates. A waiter is queued before the
+// lock is released, so a notify issued after the waiter released the lock always reaches it.
 //
 // Timeouts: a negative duration or a past deadline returns timeout (or the predicate's value)
 // at once, without releasing the lock. Cancellation: a cancelled waiting fiber leaves the queue,
-// re-takes the lock (if that lock's lock() itself throws Cancelled, the lock is not held, which
-// std::unique_lock records) and throws fiber::Cancelled. A notify_one that reached a waiter
-// whose re-lock then throws is passed on to the next waiter, never lost.
+// re-takes the lock (if that lock's lock() itself throws Cancelled, as fiber::Mutex's does when
+// it has to wait, the lock is not held, which std::unique_lock records) and throws
+// fiber::Cancelled. A notify that reached a waiter whose re-lock then throws is passed on to the
+// next waiter (one notify_one), never lost. That is the one spurious wakeup: the notify may have
+// been a notify_all that the next waiter, queued after it, was not meant to get. Use the
+// predicate forms.
 #pragma once
 
 #include <chrono>

@@ -69,15 +69,18 @@ bool Barrier::arrive_and_wait() {
   throw Cancelled();
 }
 
-void Barrier::arrive_and_drop() {
+bool Barrier::arrive_and_drop() {
   detail::WaitQueue woken;
+  bool completed = false;
   {
     std::lock_guard guard(mu_);
     if (expected_ == 0) throw UsageError("fiber::Barrier::arrive_and_drop: every participant has dropped out");
     --expected_;
-    if (arrived_ >= expected_) complete_phase(woken);
+    completed = arrived_ >= expected_;
+    if (completed) complete_phase(woken);
   }
   wake_all(woken);
+  return completed;
 }
 
 std::uint64_t Barrier::phase() const noexcept {
