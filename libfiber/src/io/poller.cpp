@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,26 @@ constexpr uint64_t kWakeTag = 1;    // the armed eventfd read (uring) / the even
 
 timespec to_timespec(int64_t ns) noexcept {
   return timespec{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+}
+
+// Set once epoll_pwait2 (Linux 5.11) has failed with ENOSYS, or EPERM: a seccomp profile older
+// than the call, such as the container profiles that also refuse io_uring and so send processors
+// to this engine. Relaxed: each processor finds out for itself at worst.
+std::atomic<bool> g_no_epoll_pwait2{false};
+
+// epoll_pwait2 with a timeout in nanoseconds (< 0: none); where it is refused, epoll_pwait with
+// the timeout rounded up to whole milliseconds (a timer never fires early).
+int epoll_wait_ns(int epfd, epoll_event* evs, int max, int64_t timeout_ns) noexcept {
+  if (!g_no_epoll_pwait2.load(std::memory_order_relaxed)) {
+    timespec ts{};
+    if (timeout_ns >= 0) ts = to_timespec(timeout_ns);
+    const int n = epoll_pwait2(epfd, evs, max, timeout_ns >= 0 ? &ts : nullptr, nullptr);
+    if (n >= 0 || (errno != ENOSYS && errno != EPERM)) return n;
+    g_no_epoll_pwait2.store(true, std::memory_order_relaxed);
+  }
+  int ms = -1;
+  if (timeout_ns >= 0) ms = static_cast<int>(std::min<int64_t>((timeout_ns + 999'999) / 1'000'000, INT_MAX));
+  return epoll_pwait(epfd, evs, max, ms, nullptr);
 }
 
 }  // namespace
@@ -55,7 +76,12 @@ UringPoller::~UringPoller() {
   raw::close(event_fd_);
 }
 
-int UringPoller::setup(io_uring* ring) noexcept {
+const char* UringPoller::lacks_features(unsigned features) noexcept {
+  if ((features & IORING_FEAT_EXT_ARG) == 0) return "no IORING_FEAT_EXT_ARG, which needs Linux 5.11";
+  return nullptr;
+}
+
+int UringPoller::setup(io_uring* ring, std::string& why) {
   const unsigned flag_sets[] = {
       IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
       IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
@@ -72,7 +98,16 @@ int UringPoller::setup(io_uring* ring) noexcept {
     rc = io_uring_queue_init_params(512, ring, &p);
     if (rc != -EINVAL) break;
   }
-  return rc;
+  if (rc < 0) {
+    why = std::strerror(-rc);
+    return rc;
+  }
+  if (const char* lack = lacks_features(ring->features)) {
+    io_uring_queue_exit(ring);
+    why = lack;
+    return -EOPNOTSUPP;
+  }
+  return 0;
 }
 
 io_uring_sqe* UringPoller::get_sqe() noexcept {
@@ -242,13 +277,7 @@ unsigned EpollPoller::dispatch(int fd, uint32_t events) noexcept {
 
 unsigned EpollPoller::wait_events(int64_t timeout_ns) noexcept {
   epoll_event evs[64];
-  int n;
-  if (timeout_ns < 0) {
-    n = epoll_pwait2(epfd_, evs, 64, nullptr, nullptr);
-  } else {
-    timespec ts = to_timespec(timeout_ns);
-    n = epoll_pwait2(epfd_, evs, 64, &ts, nullptr);
-  }
+  const int n = epoll_wait_ns(epfd_, evs, 64, timeout_ns);
   unsigned woke = 0;
   for (int i = 0; i < n; ++i) {
     if (evs[i].data.u64 == kWakeTag) {
@@ -318,15 +347,12 @@ std::unique_ptr<Poller> Poller::create() {
   if (efd < 0) throw ResourceError(std::string("fiber: eventfd failed: ") + std::strerror(errno));
   if (choice == IoChoice::Epoll) return make_epoll(efd);
   io_uring ring;
-  const int rc = UringPoller::setup(&ring);
-  if (rc == 0) return std::make_unique<UringPoller>(efd, ring);
-  if (choice == IoChoice::Uring) {
-    raw::close(efd);
-    throw ResourceError(std::string("fiber: FIBER_IO=uring but io_uring setup failed: ") + std::strerror(-rc));
-  }
+  std::string why;
+  if (UringPoller::setup(&ring, why) == 0) return std::make_unique<UringPoller>(efd, ring);
   raw::close(efd);
+  if (choice == IoChoice::Uring) throw ResourceError("fiber: FIBER_IO=uring but io_uring setup failed: " + why);
   if (!g_said_fallback.exchange(true)) {
-    std::fprintf(stderr, "libfiber: io_uring unavailable (%s); using the epoll engine\n", std::strerror(-rc));
+    std::fprintf(stderr, "libfiber: io_uring unavailable (%s); using the epoll engine\n", why.c_str());
   }
   const int efd2 = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (efd2 < 0) throw ResourceError(std::string("fiber: eventfd failed: ") + std::strerror(errno));
