@@ -921,10 +921,8 @@ int poll(pollfd* fds, nfds_t n, Deadline dl) noexcept {
 }
 
 int close(int fd) noexcept {
-  // slot(), not find(): with no slot yet, an operation that made one and listed itself between
-  // the look and the close would not be woken. nullptr: a number beyond the table (or out of
-  // memory for its chunk), whose operations are not listed either.
-  detail::FdSlot* slot = detail::fd_table().slot(fd);
+  // No slot yet: no fiber operation was ever listed on this descriptor's range.
+  detail::FdSlot* slot = detail::fd_table().find(fd);
   if (slot == nullptr) return static_cast<int>(raw::close(fd));
   {
     std::unique_lock lock(slot->lock);
