@@ -230,6 +230,13 @@ TEST_CASE("Scheduler: FIBER_STACK_SIZE") {
 // stack, the blocking pool on a first offloaded call, where an error could only be an errno);
 // the constructor checks them so that a bad value is reported to the code that made the mistake.
 TEST_CASE("Scheduler: FIBER_GUARDED_STACKS and FIBER_BLOCKING_THREADS are checked by the constructor") {
+  {
+    // The stack allocator reads FIBER_GUARDED_STACKS once, at its first stack: have that happen
+    // with the real environment, so that the "16" below cannot stay with the process when this
+    // test runs first.
+    fiber::Scheduler warm({.processors = 1});
+    fiber::spawn({.scheduler = &warm}, [] {}).join();
+  }
   for (const char* var : {"FIBER_GUARDED_STACKS", "FIBER_BLOCKING_THREADS"}) {
     CAPTURE(var);
     // "-1" was once read by strtoull as 2^64 - 1 guarded stacks, and "abc" ignored.

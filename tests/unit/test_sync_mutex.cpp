@@ -7,10 +7,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <mutex>
 #include <random>
+#include <ratio>
 #include <shared_mutex>
 #include <string>
 #include <thread>
@@ -141,6 +143,9 @@ TEST_CASE("timed waits: far, coarse and NaN limits saturate instead of overflowi
       {"for hours::max()", [](fiber::Mutex& m) { return m.try_lock_for(hours::max()); }},
       {"for seconds 2^40", [](fiber::Mutex& m) { return m.try_lock_for(seconds(1LL << 40)); }},
       {"for infinite seconds", [inf](fiber::Mutex& m) { return m.try_lock_for(duration<double>(inf)); }},
+      // 53 days: not "never", but 100 years in picoseconds, which the limit is compared with,
+      // overflowed (UBSan's find).
+      {"for 2^62 ps", [](fiber::Mutex& m) { return m.try_lock_for(duration<std::int64_t, std::pico>(1LL << 62)); }},
   };
   const std::vector<std::pair<std::string, std::function<bool(fiber::Mutex&)>>> past = {
       {"steady, seconds, -2^40", [](fiber::Mutex& m) { return m.try_lock_until(SteadySecs(seconds(-(1LL << 40)))); }},
@@ -148,6 +153,13 @@ TEST_CASE("timed waits: far, coarse and NaN limits saturate instead of overflowi
       {"system, hours, min()", [](fiber::Mutex& m) { return m.try_lock_until(time_point<system_clock, hours>::min()); }},
       {"for hours::min()", [](fiber::Mutex& m) { return m.try_lock_for(hours::min()); }},
       {"for NaN seconds", [nan](fiber::Mutex& m) { return m.try_lock_for(duration<double>(nan)); }},
+      // Up to a microsecond past, in an unsigned unit: decided by a double comparison (0.2 us
+      // apart at today's dates) it could count as ahead, and tp - now then wrapped round to
+      // "never". (A review helper's find.)
+      {"system, unsigned us, just past", [](fiber::Mutex& m) {
+         using Us = duration<std::uint64_t, std::micro>;
+         return m.try_lock_until(time_point<system_clock, Us>(floor<Us>(system_clock::now().time_since_epoch())));
+       }},
       {"until NaN seconds", [nan](fiber::Mutex& m) {
          return m.try_lock_until(time_point<steady_clock, duration<double>>(duration<double>(nan)));
        }},

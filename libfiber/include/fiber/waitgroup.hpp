@@ -31,7 +31,7 @@ class FIBER_API WaitGroup {
   WaitGroup& operator=(const WaitGroup&) = delete;
 
   // Adds delta (may be negative) to the counter; reaching zero wakes every waiter.
-  // Throws UsageError if the counter would go negative.
+  // Throws UsageError if the counter would go negative or past INT64_MAX.
   void add(std::int64_t delta = 1);
   // add(-1).
   void done() { add(-1); }

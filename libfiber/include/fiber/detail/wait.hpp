@@ -105,18 +105,26 @@ inline constexpr Deadline kNoDeadline = Deadline::max();
 inline constexpr std::chrono::hours kFarDeadline{24 * 365 * 100};
 
 // now + d, saturating: d <= 0 (or NaN) gives now (already expired), d beyond kFarDeadline gives
-// kNoDeadline. So sleep_for(hours::max()) sleeps for ever rather than overflow.
+// kNoDeadline. So sleep_for(hours::max()) sleeps for ever rather than overflow. The comparison
+// is made in seconds as a double, which no unit overflows (100 years in picoseconds would);
+// below about 115 days the sum is exact, beyond that it goes through the double too (a
+// microsecond or so off), where converting some units' counts to nanoseconds could overflow.
 template <typename Rep, typename Period>
 Deadline deadline_after(std::chrono::duration<Rep, Period> d) noexcept {
+  using Seconds = std::chrono::duration<double>;
+  using Ns = std::chrono::steady_clock::duration;
   const Deadline now = std::chrono::steady_clock::now();
   if (!(d > d.zero())) return now;
-  if (d >= kFarDeadline) return kNoDeadline;
-  return now + std::chrono::ceil<std::chrono::steady_clock::duration>(d);
+  const double secs = Seconds(d).count();
+  if (secs >= Seconds(kFarDeadline).count()) return kNoDeadline;
+  if (secs < 1e7) return now + std::chrono::ceil<Ns>(d);
+  return now + Ns(static_cast<Ns::rep>(secs * 1e9) + 1);
 }
 // A time point of any clock as a steady-clock deadline (other clocks: by the time left now),
-// saturating as deadline_after does. The comparisons are made in seconds as doubles first:
-// converting a far time point to nanoseconds (max(), min(), a date hundreds of years out in
-// seconds or hours) overflows, and so does any comparison that converts to a common unit.
+// saturating as deadline_after does. A far time point (max(), min(), a date hundreds of years
+// out in seconds or hours) overflows when converted to nanoseconds, and so does any comparison
+// that converts to a common unit; so doubles decide first whether it is that far, and only time
+// points within kFarDeadline are compared and converted exactly.
 template <typename Clock, typename Duration>
 Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcept {
   using Seconds = std::chrono::duration<double>;
@@ -131,9 +139,13 @@ Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcep
   } else {
     const auto now = Clock::now();
     const double ahead = at - Seconds(now.time_since_epoch()).count();
-    if (!(ahead > 0)) return std::chrono::steady_clock::now();
+    if (!(ahead > -kFar)) return std::chrono::steady_clock::now();  // long past (and NaN)
     if (ahead >= kFar) return kNoDeadline;
-    return deadline_after(tp - now);  // both within kFar of each other: no overflow
+    // Within kFar of each other: exact from here. (The doubles are ~0.2 us apart at today's
+    // dates, so they must not decide whether tp has passed: with an unsigned Rep a tp just
+    // past would make tp - now wrap.)
+    if (tp <= now) return std::chrono::steady_clock::now();
+    return deadline_after(tp - now);
   }
 }
 
