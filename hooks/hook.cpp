@@ -331,6 +331,10 @@ uint8_t learn(int fd, FdInfo*& out) noexcept {
   f = kKnown;
   if (fl & O_NONBLOCK) f |= kNonblock;
   if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode)) f |= kSeekable;
+  // Only sockets have timeouts: anything else, including a number that held a socket with
+  // SO_RCVTIMEO before, waits as long as it takes.
+  int64_t rcv_timeout = 0;
+  int64_t snd_timeout = 0;
   if (S_ISSOCK(st.st_mode)) {
     f |= kSocket;
     int type = SOCK_STREAM;
@@ -338,10 +342,13 @@ uint8_t learn(int fd, FdInfo*& out) noexcept {
     if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_TYPE, &type, &tlen) == 0 && type != SOCK_STREAM) f |= kMessage;
     timeval tv{};
     socklen_t len = sizeof tv;
-    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &len) == 0) i->rcv_timeout.store(timeval_ns(tv), std::memory_order_relaxed);
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &len) == 0) rcv_timeout = timeval_ns(tv);
+    tv = timeval{};
     len = sizeof tv;
-    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0) i->snd_timeout.store(timeval_ns(tv), std::memory_order_relaxed);
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0) snd_timeout = timeval_ns(tv);
   }
+  i->rcv_timeout.store(rcv_timeout, std::memory_order_relaxed);
+  i->snd_timeout.store(snd_timeout, std::memory_order_relaxed);
   i->epoch.store(epoch, std::memory_order_relaxed);
   i->flags.store(f, std::memory_order_relaxed);
   return f;
@@ -617,8 +624,22 @@ namespace {
 // A write-like call that blocks until everything is written (as a blocking socket does): one
 // try without waiting, then the fiber call with the send deadline for the rest. A timeout or
 // error after some bytes went out returns the count, as the kernel does.
+// The kernel raises SIGPIPE at the writing thread when a send on a stream or seqpacket socket
+// fails with EPIPE because the peer has gone, unless MSG_NOSIGNAL is among `flags`. The
+// runtime's socket calls always pass MSG_NOSIGNAL, so a hooked socket write whose runtime call
+// `w` failed so raises it here, on the thread that runs the fiber now, as the blocking call
+// would have. Not where the real call made the try (it raised its own), not after a part was
+// written (the kernel's call returns that count, without a signal), and not for pipes: their
+// writes, direct or on the ring, run on the processor's thread without MSG_NOSIGNAL, and the
+// kernel signals there itself.
+void sigpipe_on_epipe(ssize_t w, int flags) noexcept {
+  if (w == -EPIPE && !(flags & MSG_NOSIGNAL)) {
+    ::syscall(SYS_tgkill, ::syscall(SYS_getpid), ::syscall(SYS_gettid), SIGPIPE);
+  }
+}
+
 template <typename Now, typename Wait>
-ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
+ssize_t park_write(int fd, size_t total, int flags, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
   if (!(f & kKnown) || (f & kNonblock)) return -2;
@@ -641,10 +662,16 @@ ssize_t park_write(int fd, size_t total, Now&& now, Wait&& wait) noexcept {
   const ssize_t r = now();
   if (r < 0 && get_errno() != EAGAIN) return r;
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
-  if (f & kMessage) return r >= 0 ? r : finish(wait(0, d), d);  // one message, whole (even empty)
+  if (f & kMessage) {  // one message, whole (even empty)
+    if (r >= 0) return r;
+    const ssize_t w = wait(0, d);
+    sigpipe_on_epipe(w, flags);
+    return finish(w, d);
+  }
   if (r > 0) done = static_cast<size_t>(r);
   while (done < total) {
     const ssize_t w = wait(done, d);
+    if (w < 0 && done == 0) sigpipe_on_epipe(w, flags);
     if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w, d);
     done += static_cast<size_t>(w);
   }
@@ -661,7 +688,7 @@ ssize_t write(int fd, const void* buf, size_t n) {
   if (may_park() && n <= SSIZE_MAX) {
     const char* p = static_cast<const char*>(buf);
     const ssize_t r = park_write(
-        fd, n, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, MSG_DONTWAIT, nullptr, 0); },
+        fd, n, 0, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, MSG_DONTWAIT, nullptr, 0); },
         [&](size_t off, fiber::io::Deadline d) { return fiber::io::write(fd, p + off, n - off, d); });
     if (r != -2) return r;
   }
@@ -672,7 +699,7 @@ ssize_t send(int fd, const void* buf, size_t n, int flags) {
   if (may_park() && !(flags & MSG_DONTWAIT)) {
     const char* p = static_cast<const char*>(buf);
     const ssize_t r = park_write(
-        fd, n, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, flags | MSG_DONTWAIT, nullptr, 0); },
+        fd, n, flags, [&] { return REAL(sendto, SYS_sendto, fd, buf, n, flags | MSG_DONTWAIT, nullptr, 0); },
         [&](size_t off, fiber::io::Deadline d) { return fiber::io::send(fd, p + off, n - off, flags, d); });
     if (r != -2) return r;
   }
@@ -703,6 +730,7 @@ ssize_t send_rest(int fd, const msghdr& m, int flags, size_t done, const fiber::
     } else {
       w = fiber::io::writev(fd, part.msg_iov, static_cast<int>(part.msg_iovlen), d);
     }
+    if (w < 0 && done == 0 && socket) sigpipe_on_epipe(w, flags);
     if (w < 0) return done > 0 ? static_cast<ssize_t>(done) : finish(w, d);
     if (w == 0) break;
     done += static_cast<size_t>(w);
@@ -736,7 +764,12 @@ ssize_t send_after(int fd, const msghdr& m, int flags, ssize_t r, uint8_t f, con
     return send_rest(fd, m, flags & ~MSG_FASTOPEN, r > 0 ? static_cast<size_t>(r) : 0, d, true);
   }
   if (r < 0 && get_errno() != EAGAIN) return r;
-  if (f & kMessage) return r >= 0 ? r : finish(fiber::io::sendmsg(fd, &m, flags, d), d);
+  if (f & kMessage) {
+    if (r >= 0) return r;
+    const ssize_t w = fiber::io::sendmsg(fd, &m, flags, d);
+    sigpipe_on_epipe(w, flags);
+    return finish(w, d);
+  }
   return send_rest(fd, m, flags, r > 0 ? static_cast<size_t>(r) : 0, d, true);
 }
 
@@ -1231,6 +1264,10 @@ int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexc
 // glibc's signal() installs its handler through an internal sigaction no preload sees: redo it
 // with BSD semantics (SA_RESTART, handler stays installed), as glibc does.
 sighandler_t signal(int sig, sighandler_t handler) noexcept {
+  if (handler == SIG_ERR) {  // glibc's answer; sigaction would take it for a handler's address
+    set_errno(EINVAL);
+    return SIG_ERR;
+  }
   struct sigaction act {}, old {};
   act.sa_handler = handler;
   sigemptyset(&act.sa_mask);

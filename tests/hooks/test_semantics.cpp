@@ -205,6 +205,30 @@ TEST_CASE("semantics: no timeout by default: a read waits as long as it takes") 
   });
 }
 
+// The hook caches a socket's SO_RCVTIMEO with what it knows of the number. A pipe that took
+// the number once read with that timeout: EAGAIN after 100 ms, where the kernel's read of a
+// blocking pipe waits for as long as it takes. (A review helper's find.)
+TEST_CASE("semantics: a number that held a socket with SO_RCVTIMEO keeps no timeout once a pipe has it") {
+  on_fiber(1, [] {
+    Pair s = make_socketpair();
+    set_timeout(s.a, SO_RCVTIMEO, 100ms);
+    write_str(s.b, "s");
+    char c = 0;
+    REQUIRE(::read(s.a, &c, 1) == 1);  // the hook has learned the number, timeout and all
+    const int num = s.a.get();
+    Pair p = make_pipe();
+    REQUIRE(::dup2(p.a, num) == num);  // the socket is closed; the number reads the pipe now
+    auto r = parked_call([&] { return call([&] { return ::read(num, &c, 1); }); },
+                         [&] {
+                           std::this_thread::sleep_for(500ms);
+                           write_str(p.b, "P");
+                         });
+    CHECK_MESSAGE(r.value.r == 1, "errno " << err_str(r.value.e));
+    CHECK(c == 'P');
+    CHECK(r.parked);
+  });
+}
+
 TEST_CASE("semantics: SO_RCVTIMEO expiry gives EAGAIN from every read and from accept") {
   using ReadCall = long (*)(int);
   const std::pair<const char*, ReadCall> reads[] = {
@@ -678,6 +702,50 @@ void on_usr1(int) {
   g_handled.fetch_add(1);
 }
 }  // namespace
+
+namespace {
+std::atomic<int> g_sigpipes{0};
+void count_sigpipe(int) { g_sigpipes.fetch_add(1); }
+}  // namespace
+
+// A blocking send that parks goes through the runtime, whose socket calls pass MSG_NOSIGNAL; the
+// kernel's blocking send on a stream whose peer has gone raises SIGPIPE at the writer, and so
+// must the hook (once), unless the caller passed MSG_NOSIGNAL. (A review helper's find.)
+TEST_CASE("semantics: a parked send to a peer that has gone raises SIGPIPE, unless MSG_NOSIGNAL") {
+  struct sigaction act {}, old {};
+  act.sa_handler = count_sigpipe;
+  sigemptyset(&act.sa_mask);
+  REQUIRE(::sigaction(SIGPIPE, &act, &old) == 0);
+  for (const bool nosignal : {false, true}) {
+    CAPTURE(nosignal);
+    g_sigpipes.store(0);
+    on_fiber(1, [nosignal] {
+      Pair p = make_socketpair();
+      fill(p.a);  // the next send parks
+      const std::vector<char> buf(4096, 'x');
+      auto r = parked_call(
+          [&] { return call([&] { return ::send(p.a, buf.data(), buf.size(), nosignal ? MSG_NOSIGNAL : 0); }); },
+          [&] { p.b.reset(); });
+      CHECK(r.value.r == -1);
+      CHECK(r.value.e == EPIPE);
+      CHECK(r.parked);
+    });
+    // Thread-directed, as the kernel's: delivered before send returned.
+    CHECK(g_sigpipes.load() == (nosignal ? 0 : 1));
+  }
+  ::sigaction(SIGPIPE, &old, nullptr);
+}
+
+// glibc's signal() refuses SIG_ERR as a handler (EINVAL); the hook once installed its trampoline
+// for it, which would then have called address -1 on the signal.
+TEST_CASE("semantics: signal(sig, SIG_ERR) is EINVAL and changes nothing") {
+  const sighandler_t before = ::signal(SIGUSR2, SIG_IGN);
+  REQUIRE((before != SIG_ERR));
+  set_err(0);
+  CHECK((::signal(SIGUSR2, SIG_ERR) == SIG_ERR));
+  CHECK(err() == EINVAL);
+  CHECK((::signal(SIGUSR2, before) == SIG_IGN));  // still what it was
+}
 
 TEST_CASE("semantics: a signal handler interrupting a fiber makes real calls; errno is kept") {
   on_fiber(1, [] {
