@@ -1308,7 +1308,8 @@ int usleep(useconds_t us) {
 unsigned sleep(unsigned s) {
   const timespec ts{static_cast<time_t>(s), 0};
   timespec rem{};
-  if (nanosleep(&ts, &rem) != 0) return static_cast<unsigned>(rem.tv_sec + (rem.tv_nsec > 0 ? 1 : 0));
+  // Rounded to the nearest second, as glibc's sleep does.
+  if (nanosleep(&ts, &rem) != 0) return static_cast<unsigned>(rem.tv_sec + (rem.tv_nsec >= 500'000'000 ? 1 : 0));
   return 0;
 }
 
