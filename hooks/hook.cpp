@@ -621,9 +621,6 @@ ssize_t recvfrom(int fd, void* buf, size_t n, int flags, struct sockaddr* addr, 
 
 namespace {
 
-// A write-like call that blocks until everything is written (as a blocking socket does): one
-// try without waiting, then the fiber call with the send deadline for the rest. A timeout or
-// error after some bytes went out returns the count, as the kernel does.
 // The kernel raises SIGPIPE at the writing thread when a send on a stream or seqpacket socket
 // fails with EPIPE because the peer has gone, unless MSG_NOSIGNAL is among `flags`. The
 // runtime's socket calls always pass MSG_NOSIGNAL, so a hooked socket write whose runtime call
@@ -638,6 +635,9 @@ void sigpipe_on_epipe(ssize_t w, int flags) noexcept {
   }
 }
 
+// A write-like call that blocks until everything is written (as a blocking socket does): one
+// try without waiting, then the fiber call with the send deadline for the rest. A timeout or
+// error after some bytes went out returns the count, as the kernel does.
 template <typename Now, typename Wait>
 ssize_t park_write(int fd, size_t total, int flags, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;

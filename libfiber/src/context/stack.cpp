@@ -8,20 +8,20 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cerrno>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "fiber/error.hpp"
 #include "io/raw.hpp"
+#include "sched/env.hpp"
 
 namespace fiber::detail {
 namespace {
@@ -130,15 +130,10 @@ std::size_t stack_size_class(std::size_t requested) {
 }
 
 std::optional<std::size_t> parse_guarded_stacks(const char* value) {
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  const std::string_view v(value);
-  std::size_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n, 10);
-  if (ec != std::errc() || end != v.data() + v.size()) {
-    throw UsageError("fiber: invalid FIBER_GUARDED_STACKS value '" + std::string(v) +
-                     "' (expected a number of stacks: a non-negative integer)");
-  }
-  return n;
+  const auto v = parse_env_in_range("FIBER_GUARDED_STACKS", value, 0, LONG_MAX,
+                                    "a number of stacks: a non-negative integer");
+  if (!v) return std::nullopt;
+  return static_cast<std::size_t>(*v);
 }
 
 StackAllocator& StackAllocator::instance() {

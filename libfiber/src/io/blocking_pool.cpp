@@ -26,7 +26,7 @@
 #include <sched.h>
 
 #include <atomic>
-#include <charconv>
+#include <climits>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -35,12 +35,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <thread>
 
 #include "fiber/blocking.hpp"
 #include "fiber/detail/wait.hpp"
 #include "fiber/error.hpp"
+#include "sched/env.hpp"
 #include "sched/fiber.hpp"
 #include "sched/runtime.hpp"
 
@@ -189,15 +189,8 @@ Pool& pool() {
 }  // namespace
 
 std::size_t parse_blocking_threads(const char* value) {
-  if (value == nullptr || *value == '\0') return kDefaultBlockingThreads;
-  const std::string_view v(value);
-  std::size_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n, 10);
-  if (ec != std::errc() || end != v.data() + v.size() || n == 0) {
-    throw UsageError("fiber: invalid FIBER_BLOCKING_THREADS value '" + std::string(v) +
-                     "' (expected a positive integer)");
-  }
-  return n;
+  const auto v = parse_env_in_range("FIBER_BLOCKING_THREADS", value, 1, LONG_MAX, "a positive integer");
+  return v ? static_cast<std::size_t>(*v) : kDefaultBlockingThreads;
 }
 
 BlockingPoolStats blocking_pool_stats() noexcept {

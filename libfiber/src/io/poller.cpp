@@ -81,7 +81,7 @@ const char* UringPoller::lacks_features(unsigned features) noexcept {
   return nullptr;
 }
 
-int UringPoller::setup(io_uring* ring, std::string& why) {
+int UringPoller::setup(io_uring* ring, const char*& why) noexcept {
   const unsigned flag_sets[] = {
       IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG,
       IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
@@ -347,12 +347,14 @@ std::unique_ptr<Poller> Poller::create() {
   if (efd < 0) throw ResourceError(std::string("fiber: eventfd failed: ") + std::strerror(errno));
   if (choice == IoChoice::Epoll) return make_epoll(efd);
   io_uring ring;
-  std::string why;
+  const char* why = nullptr;
   if (UringPoller::setup(&ring, why) == 0) return std::make_unique<UringPoller>(efd, ring);
   raw::close(efd);
-  if (choice == IoChoice::Uring) throw ResourceError("fiber: FIBER_IO=uring but io_uring setup failed: " + why);
+  if (choice == IoChoice::Uring) {
+    throw ResourceError(std::string("fiber: FIBER_IO=uring but io_uring setup failed: ") + why);
+  }
   if (!g_said_fallback.exchange(true)) {
-    std::fprintf(stderr, "libfiber: io_uring unavailable (%s); using the epoll engine\n", why.c_str());
+    std::fprintf(stderr, "libfiber: io_uring unavailable (%s); using the epoll engine\n", why);
   }
   const int efd2 = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (efd2 < 0) throw ResourceError(std::string("fiber: eventfd failed: ") + std::strerror(errno));

@@ -8,8 +8,9 @@
 // submitted when the processor polls (every few fibers) or waits.
 //
 // EpollPoller is the fallback where io_uring is unavailable (EPERM from a seccomp profile,
-// ENOSYS): it waits in epoll_pwait2 (epoll_pwait where that is refused) on the same eventfd, and fibers wait there for readiness
-// (one-shot registrations, re-armed per wait) and then make the call themselves.
+// ENOSYS, a kernel before 5.11): it waits in epoll_pwait2 (epoll_pwait where that is refused)
+// on the same eventfd, and fibers wait there for readiness (one-shot registrations, re-armed
+// per wait) and then make the call themselves.
 //
 // FIBER_IO=uring|epoll forces one. See libfiber/README.md, "I/O engine".
 //
@@ -23,7 +24,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "fiber/detail/wait.hpp"
@@ -100,9 +100,9 @@ class UringPoller final : public Poller {
   UringPoller(int efd, io_uring ring) noexcept;
   ~UringPoller() override;
   // Tries SINGLE_ISSUER|DEFER_TASKRUN|TASKRUN_FLAG, then fewer flags on EINVAL. Returns -errno on
-  // failure, with `why` saying what failed; a ring the kernel sets up but lacks_features() is
-  // refused (-EOPNOTSUPP).
-  static int setup(io_uring* ring, std::string& why);
+  // failure, with `why` saying what failed (a static string); a ring the kernel sets up but
+  // lacks_features() is refused (-EOPNOTSUPP).
+  static int setup(io_uring* ring, const char*& why) noexcept;
   // What a ring with these IORING_FEAT_* bits lacks for this engine, or nullptr. EXT_ARG (Linux
   // 5.11): without it liburing times a wait with a counted timeout SQE of its own, which a
   // completion of the previous wait's one can satisfy at once, leaving the wait with no timeout

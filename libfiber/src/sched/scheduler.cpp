@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -12,29 +11,12 @@
 #include "fiber/error.hpp"
 #include "fiber/scheduler.hpp"
 #include "io/blocking_pool.hpp"
+#include "sched/env.hpp"
 #include "sched/runtime.hpp"
 #include "sched/scheduler_impl.hpp"
 
 namespace fiber {
 namespace detail {
-
-namespace {
-
-// $name as an integer in [lo, hi]; nullopt when unset or empty. Anything else is a UsageError
-// that names the variable and says what was `expected`.
-std::optional<long> env_in_range(const char* name, long lo, long hi, const char* expected) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(env, &end, 10);
-  if (errno != 0 || end == env || *end != '\0' || v < lo || v > hi) {
-    throw UsageError(std::string("fiber: invalid ") + name + " value '" + env + "' (expected " + expected + ")");
-  }
-  return v;
-}
-
-}  // namespace
 
 std::size_t resolve_processor_count(std::size_t requested) {
   if (requested != Scheduler::auto_processors) {
