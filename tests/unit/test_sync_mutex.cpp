@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "sched/processor.hpp"
+#include "sched/scheduler_impl.hpp"
 #include "team.hpp"
 #include "test_util.hpp"
 
@@ -196,6 +198,11 @@ TEST_CASE("timed waits: far, coarse and NaN limits saturate instead of overflowi
   auto sleeper = fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::sleep_for(hours::max()); });
   std::this_thread::sleep_for(20ms);
   CHECK_FALSE(sleeper.finished());
+  // Without a deadline it has no timer: an entry at the timer queue's "none" value would hide
+  // from next_deadline(), and a processor retiring with it would leave it behind.
+  std::size_t timers = 0;
+  for (uint32_t i = 0; i < s.processors(); ++i) timers += s.impl().processor(i).timers().size();
+  CHECK(timers == 0);
   sleeper.cancel();
   CHECK_THROWS_AS(sleeper.join(), fiber::Cancelled);
 }

@@ -3,9 +3,10 @@
 // sleeping, so nothing here depends on how the OS schedules threads).
 //
 //   1. Only entries due at `now` fire, earliest deadline first, whatever the order of adding.
-//   2. Equal deadlines fire in the order they were added (the 16-per-call batch shows it).
-//   3. A removed entry never fires; next_deadline() follows the heap's head.
-//   4. Randomised against a sorted model.
+//   2. Equal deadlines fire in the order they were added (a call's `max` shows it).
+//   3. One call fires every due entry, however many batches of kFireBatch that takes.
+//   4. A removed entry never fires; next_deadline() follows the heap's head.
+//   5. Randomised against a sorted model.
 //
 // The waiters belong to a plain thread (each test body runs on a fresh one): a claim then only
 // records the reason in the Waiter, which is what the checks read.
@@ -79,13 +80,12 @@ TEST_CASE("TimerQueue: only due entries fire, earliest first, whatever the order
 TEST_CASE("TimerQueue: equal deadlines fire in the order they were added") {
   fiber_test::run_on_thread([] {
     TimerQueue q;
-    // More than one call's batch of 16, all due at once: the first call takes the 16 added
-    // first, and interleaving an earlier deadline in the adds changes nothing about that.
+    // 20 due at once, a call allowed 16: it takes the 16 added first, and interleaving an
+    // earlier deadline in the adds changes nothing about that.
     std::vector<std::unique_ptr<Timer>> t;
     for (int i = 0; i < 20; ++i) t.push_back(std::make_unique<Timer>(i == 7 ? 40 : 50));
     for (auto& x : t) q.add(&x->e);
-    static_assert(TimerQueue::kFireBatch == 16, "the split below assumes a batch of 16");
-    CHECK(q.fire_expired(60) == 16);
+    CHECK(q.fire_expired(60, 16) == 16);
     int fired = 0;
     for (int i = 0; i < 20; ++i) {
       CAPTURE(i);
@@ -96,6 +96,25 @@ TEST_CASE("TimerQueue: equal deadlines fire in the order they were added") {
     CHECK(fired == 16);
     CHECK(q.fire_expired(60) == 4);
     for (auto& x : t) CHECK(x->fired());
+  });
+}
+
+TEST_CASE("TimerQueue: one call fires every due entry, beyond one batch") {
+  fiber_test::run_on_thread([] {
+    TimerQueue q;
+    // A large expiry (idle timeouts of many connections at once) must not be left to later calls:
+    // the watchdog fires a stalled processor's timers once per sample.
+    constexpr int kDue = 10 * static_cast<int>(TimerQueue::kFireBatch) + 3;
+    std::vector<std::unique_ptr<Timer>> t;
+    for (int i = 0; i < kDue + 5; ++i) t.push_back(std::make_unique<Timer>(i < kDue ? 100 + i % 7 : 500));
+    for (auto& x : t) q.add(&x->e);
+    CHECK(q.fire_expired(200) == static_cast<std::size_t>(kDue));
+    for (int i = 0; i < kDue + 5; ++i) {
+      CAPTURE(i);
+      CHECK(t[i]->fired() == (i < kDue));
+    }
+    CHECK(q.size() == 5);
+    CHECK(q.next_deadline() == 500);
   });
 }
 
@@ -151,9 +170,11 @@ TEST_CASE("TimerQueue: randomised adds, removes and fires agree with a sorted mo
         std::sort(model.begin(), model.end());
         std::size_t due = 0;
         while (due < model.size() && model[due].first <= now) ++due;
-        const std::size_t expect = std::min(due, TimerQueue::kFireBatch);
-        if (due > expect && model[expect - 1].first == model[expect].first) ++capped_ties;
-        REQUIRE(q.fire_expired(now) == expect);
+        // Unlimited, or a limit below, at or above one internal batch.
+        const std::size_t max = next() % 4 == 0 ? SIZE_MAX : 1 + next() % (2 * TimerQueue::kFireBatch);
+        const std::size_t expect = std::min(due, max);
+        if (due > expect && expect > 0 && model[expect - 1].first == model[expect].first) ++capped_ties;
+        REQUIRE(q.fire_expired(now, max) == expect);
         for (std::size_t i = 0; i < model.size(); ++i) {
           REQUIRE(all[model[i].second]->fired() == (i < expect));
         }

@@ -450,6 +450,30 @@ TEST_CASE("watchdog: the default sink writes one line to stderr naming the fiber
   CHECK_MESSAGE(contains(text, "scheduler 'wd-sink'"), text);
 }
 
+// Timings as large as microseconds::max() mean "never". Converted to nanoseconds they once
+// overflowed: the threshold became negative, and every fiber seen running on two samples in a
+// row was judged blocked and reported.
+TEST_CASE("watchdog: microseconds::max() timings mean never") {
+  Reports reports;
+  with_watchdog(60'000ms, "watchdog max timings", [&] {
+    fiber::Scheduler s({.processors = 1,
+                        .max_processors = 2,
+                        .name = "wd-max",
+                        .watchdog = {.threshold = std::chrono::microseconds::max(),
+                                     .retire_after = std::chrono::microseconds::max(),
+                                     .sink = reports.sink()}});
+    auto h = fiber::spawn({.scheduler = &s}, [] { spin_until([] { return false; }, 60ms); });
+    h.join();
+    CHECK_MESSAGE(s.blocked_incidents() == 0, reports.dump());
+    CHECK(reports.all().empty());
+    CHECK(s.extra_processors() == 0);
+    // The longest sampling interval: the monitor sleeps "for ever" and stop() still ends it.
+    fiber::Scheduler t({.processors = 1, .name = "wd-max2", .watchdog = {.interval = std::chrono::microseconds::max()}});
+    CHECK(fiber::spawn({.scheduler = &t}, [] { return 7; }).join() == 7);
+    t.stop();
+  });
+}
+
 TEST_CASE("watchdog: option checks") {
   CHECK_THROWS_AS(fiber::Scheduler({.processors = 1, .watchdog = {.interval = 0ms}}), fiber::UsageError);
   CHECK_THROWS_AS(fiber::Scheduler({.processors = 1, .watchdog = {.threshold = 0ms}}), fiber::UsageError);

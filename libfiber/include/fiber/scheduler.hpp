@@ -72,7 +72,8 @@ struct WatchdogOptions {
   // it is an incident, reported once. Must be positive.
   std::chrono::microseconds threshold{15000};
   // An extra processor (above Options::processors) stops its thread after being idle this long
-  // while no processor is blocked. Must not be negative.
+  // while no processor is blocked. Must not be negative. Any of the three may be as large as
+  // microseconds::max(): past 100 years it means never.
   std::chrono::microseconds retire_after{100000};
   // Receives each incident, on the monitor thread; keep it short (it delays the next sample) and
   // do not stop the scheduler from it. Exceptions are ignored. Empty: one line on stderr.

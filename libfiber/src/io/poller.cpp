@@ -45,7 +45,10 @@ int epoll_wait_ns(int epfd, epoll_event* evs, int max, int64_t timeout_ns) noexc
     g_no_epoll_pwait2.store(true, std::memory_order_relaxed);
   }
   int ms = -1;
-  if (timeout_ns >= 0) ms = static_cast<int>(std::min<int64_t>((timeout_ns + 999'999) / 1'000'000, INT_MAX));
+  if (timeout_ns >= 0) {
+    const int64_t up = timeout_ns / 1'000'000 + (timeout_ns % 1'000'000 != 0);  // no overflow near INT64_MAX
+    ms = static_cast<int>(std::min<int64_t>(up, INT_MAX));
+  }
   return epoll_pwait(epfd, evs, max, ms, nullptr);
 }
 

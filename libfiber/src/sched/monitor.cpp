@@ -180,18 +180,14 @@ void default_sink(const BlockedReport& r) {
   if (n > 0) [[maybe_unused]] auto rc = detail::raw::write(2, buf, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof buf - 1));
 }
 
-int64_t to_ns(std::chrono::microseconds d) noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------------------ Monitor
 
 Monitor::Monitor(SchedulerImpl& sched, const WatchdogOptions& o)
     : sched_(sched),
-      interval_ns_(to_ns(o.interval)),
-      threshold_ns_(to_ns(o.threshold)),
+      interval_ns_(watchdog_ns(o.interval)),
+      threshold_ns_(watchdog_ns(o.threshold)),
       sink_(o.sink),
       watch_(sched.max_processors()) {}
 

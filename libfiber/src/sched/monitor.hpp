@@ -33,6 +33,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -48,6 +49,15 @@ namespace fiber::detail {
 struct Fiber;
 class Processor;
 class SchedulerImpl;
+
+// A watchdog timing (WatchdogOptions, not negative) in nanoseconds, saturated at 100 years:
+// microseconds::max() then means "never" rather than overflowing into a negative threshold (every
+// fiber seen twice judged stalled), a negative retire_after (extras retiring at once) or a
+// negative sleep (the monitor spinning).
+inline int64_t watchdog_ns(std::chrono::microseconds d) noexcept {
+  constexpr int64_t kMaxUs = int64_t{100} * 365 * 24 * 3600 * 1'000'000;
+  return (d.count() < kMaxUs ? d.count() : kMaxUs) * 1000;
+}
 
 // The hazard word that lets the monitor read a running fiber's control block. See above.
 class FiberReadHazard {

@@ -75,7 +75,7 @@ int64_t checked_retire_after_ns(const WatchdogOptions& w) {
     if (w.threshold.count() <= 0) throw UsageError("fiber::Scheduler: watchdog.threshold must be positive");
     if (w.retire_after.count() < 0) throw UsageError("fiber::Scheduler: watchdog.retire_after must not be negative");
   }
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(w.retire_after).count();
+  return watchdog_ns(w.retire_after);
 }
 
 }  // namespace

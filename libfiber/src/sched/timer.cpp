@@ -2,6 +2,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 
@@ -30,23 +31,31 @@ void TimerQueue::remove(TimerEntry* e) noexcept {
   publish_next();
 }
 
-std::size_t TimerQueue::fire_expired(int64_t now) noexcept {
-  if (next_deadline() > now) return 0;
-  // Claim under the lock, wake outside it: a claimed waiter cannot resume until woken, so its
-  // record stays valid; an unclaimed (lost) one is never touched after the lock is released.
-  Waiter* claimed[kFireBatch];  // small: this runs on fiber stacks too (the rest stay due)
-  std::size_t n = 0;
-  {
-    std::lock_guard lock(mu_);
-    while (!heap_.empty() && heap_[0]->deadline_ns <= now && n < std::size(claimed)) {
-      TimerEntry* e = heap_[0];
-      erase_at(0);
-      if (waiter_claim(*e->waiter, WakeReason::Timeout)) claimed[n++] = e->waiter;
+std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
+  std::size_t woken = 0;
+  bool more = next_deadline() <= now;
+  while (more && woken < max) {
+    // Claim under the lock, wake outside it: a claimed waiter cannot resume until woken, so its
+    // record stays valid; an unclaimed (lost) one is never touched after the lock is released.
+    // In batches, so that the buffer stays small (this runs on fiber stacks too) and remote
+    // removers do not wait behind a long expiry.
+    Waiter* claimed[kFireBatch];
+    std::size_t n = 0;
+    {
+      std::lock_guard lock(mu_);
+      const std::size_t room = std::min(std::size(claimed), max - woken);
+      while (!heap_.empty() && heap_[0]->deadline_ns <= now && n < room) {
+        TimerEntry* e = heap_[0];
+        erase_at(0);
+        if (waiter_claim(*e->waiter, WakeReason::Timeout)) claimed[n++] = e->waiter;
+      }
+      more = n == room && !heap_.empty() && heap_[0]->deadline_ns <= now;
+      publish_next();
     }
-    publish_next();
+    for (std::size_t i = 0; i < n; ++i) waiter_wake(*claimed[i]);
+    woken += n;
   }
-  for (std::size_t i = 0; i < n; ++i) waiter_wake(*claimed[i]);
-  return n;
+  return woken;
 }
 
 std::size_t TimerQueue::size() const noexcept {

@@ -1,8 +1,9 @@
 // A processor's timers: a binary min-heap of entries that live on the waiting fibers' stacks.
 //
-// Only the owning processor adds entries and fires them; any thread may remove one (a fiber
-// woken by a peer removes its timer after it resumes, wherever it resumes). The heap is guarded
-// by a spinlock held for O(log n) steps, never across a switch. Firing claims the entry's waiter
+// Only the owning processor adds entries and fires them (the watchdog's monitor fires them for an
+// owner that is stalled); any thread may remove one (a fiber woken by a peer removes its timer
+// after it resumes, wherever it resumes). The heap is guarded by a spinlock held for O(log n)
+// steps (an add that grows the vector, amortised), never across a switch. Firing claims the entry's waiter
 // with WakeReason::Timeout under the lock, so a fiber that resumes for another reason and then
 // removes its entry can never race with a firing that still reads it.
 #pragma once
@@ -33,8 +34,8 @@ int64_t steady_now_ns() noexcept;
 class TimerQueue {
  public:
   static constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
-  // fire_expired() claims at most this many per call (its buffer is on the caller's stack,
-  // possibly a fiber's); the rest stay due, earliest first, for the next call.
+  // fire_expired() claims at most this many at a time under the lock (its buffer is on the
+  // caller's stack, possibly a fiber's), and wakes them before it claims more.
   static constexpr std::size_t kFireBatch = 16;
 
   // Executed only by the owner processor.
@@ -43,8 +44,10 @@ class TimerQueue {
   void remove(TimerEntry* e) noexcept;
   // Earliest deadline, or kNone. Racy read for the owner's wait timeout.
   int64_t next_deadline() const noexcept { return next_.load(std::memory_order_acquire); }
-  // Executed only by the owner: fires every entry due at `now`; returns how many woke a waiter.
-  std::size_t fire_expired(int64_t now) noexcept;
+  // The owner, or the monitor for a stalled owner (Monitor::rescue): fires the entries due at
+  // `now`, earliest first (FIFO among equal deadlines), all of them or at most `max` that wake a
+  // waiter; returns how many woke one.
+  std::size_t fire_expired(int64_t now, std::size_t max = std::numeric_limits<std::size_t>::max()) noexcept;
   std::size_t size() const noexcept;
 
  private:

@@ -248,6 +248,9 @@ WakeReason waiter_wait(Waiter& w, ParkReason why) noexcept {
 }
 
 WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_clock::time_point deadline) noexcept {
+  // No deadline (a limit saturated by to_deadline/deadline_after): no timer entry, whose
+  // deadline would be the timer queue's "none" value.
+  if (deadline == kNoDeadline) return waiter_wait(w, why);
   const int64_t deadline_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count();
   if (w.fiber == nullptr) return thread_wait(w, &deadline_ns);
   TimerEntry entry;
