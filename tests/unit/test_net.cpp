@@ -9,7 +9,12 @@
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
+#include <dlfcn.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +26,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -32,6 +38,35 @@
 #include "sched/processor.hpp"
 #include "team.hpp"
 #include "test_util.hpp"
+
+// ------------------------------------------------------------------------------ a resolver to steer
+
+// getaddrinfo as libfiber sees it in this binary (the executable's definition comes first in
+// symbol lookup, as an LD_PRELOAD'ed one would): names under resolver.test behave as a DNS
+// server might, everything else goes to the C library's.
+namespace resolver_test {
+std::atomic<bool> release{false};  // ends the lookups of hang.resolver.test
+std::atomic<int> hanging{0};       // lookups of hang.resolver.test in progress
+}  // namespace resolver_test
+
+extern "C" int getaddrinfo(const char* node, const char* service, const addrinfo* hints, addrinfo** res) {
+  using Real = int (*)(const char*, const char*, const addrinfo*, addrinfo**);
+  static const auto real = reinterpret_cast<Real>(::dlsym(RTLD_NEXT, "getaddrinfo"));
+  const std::string_view name = node != nullptr ? node : "";
+  if (name == "hang.resolver.test") {  // a server that does not answer, until the test says so
+    ++resolver_test::hanging;
+    while (!resolver_test::release.load()) ::usleep(1000);
+    --resolver_test::hanging;
+    return EAI_NONAME;
+  }
+  if (name == "ok.resolver.test") return real("127.0.0.1", service, hints, res);
+  if (name == "again.resolver.test") return EAI_AGAIN;
+  if (name == "system.resolver.test") {  // EAI_SYSTEM that leaves no errno
+    errno = 0;
+    return EAI_SYSTEM;
+  }
+  return real(node, service, hints, res);
+}
 
 namespace {
 
@@ -451,6 +486,104 @@ TEST_CASE("net: addresses that do not parse and backlog 0 give EINVAL naming the
 }
 
 // ------------------------------------------------------------------------------ close, cancel
+
+// Names (not numeric addresses, not localhost) go through getaddrinfo; the steered resolver above
+// stands in for DNS servers that answer, fail, or never answer.
+TEST_CASE("net: name lookups: a result, resolver failures as errnos, and a lookup that hangs ends at the deadline or a cancel") {
+  resolver_test::release = false;
+  auto answers = [] {
+    auto ok = net::resolve("ok.resolver.test:8080");
+    REQUIRE_MESSAGE(ok.ok(), ok.message());
+    CHECK(ok->to_string() == "127.0.0.1:8080");
+    auto ok_dl = net::resolve("ok.resolver.test:8081", patience());
+    REQUIRE_MESSAGE(ok_dl.ok(), ok_dl.message());
+    CHECK(ok_dl->to_string() == "127.0.0.1:8081");
+    // EAI_SYSTEM without an errno once gave failure(0, ...): ok() true with no address.
+    auto sys = net::resolve("system.resolver.test:80");
+    CHECK_FALSE(sys.ok());
+    CHECK(sys.error() == EIO);
+    auto again = net::resolve("again.resolver.test:80", patience());
+    CHECK(again.error() == EAGAIN);
+    CHECK_MESSAGE(contains(again.message(), "'again.resolver.test'"), again.message());
+    // The deadline covers the lookup: dial once waited for the resolver's own timeouts.
+    const int before = resolver_test::hanging.load();
+    auto r = net::resolve("hang.resolver.test:80", 30ms);
+    CHECK(r.error() == ETIMEDOUT);
+    CHECK_MESSAGE(contains(r.message(), "'hang.resolver.test'"), r.message());
+    auto d = net::Stream::dial("hang.resolver.test:80", 30ms);
+    CHECK(d.error() == ETIMEDOUT);
+    CHECK(resolver_test::hanging.load() >= before + 1);  // returned while lookups still hang
+    auto past = net::resolve("hang.resolver.test:80", std::chrono::steady_clock::now() - 1s);
+    CHECK(past.error() == ETIMEDOUT);
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) {
+    fiber::spawn({.scheduler = &s}, answers).join();
+    // A cancel ends a lookup without a deadline (it once waited for the lookup to finish).
+    const int before = resolver_test::hanging.load();
+    auto h = fiber::spawn({.scheduler = &s}, [] { return net::Stream::dial("hang.resolver.test:80").error(); });
+    REQUIRE(wait_for([&] { return resolver_test::hanging.load() > before; }));
+    h.cancel();
+    CHECK(h.join() == ECANCELED);
+  }, {1, 2});
+  run_on_thread(answers);
+  resolver_test::release = true;
+  CHECK(wait_for([] { return resolver_test::hanging.load() == 0; }));  // they finish unwatched
+}
+
+// On a plain thread, a signal handler installed without SA_RESTART interrupts a blocked send or
+// recv with EINTR. write_all and read_exact once returned it, losing the count already moved
+// (for write_all, how much reached the peer).
+TEST_CASE("net: write_all and read_exact on a plain thread go on after EINTR") {
+  struct sigaction sa {}, old{};
+  sa.sa_handler = [](int) {};
+  sa.sa_flags = 0;  // no SA_RESTART
+  sigemptyset(&sa.sa_mask);
+  REQUIRE(::sigaction(SIGUSR2, &sa, &old) == 0);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  net::Stream a(sv[0]), b(sv[1]);
+  const int small = 4096;
+  ::setsockopt(a.fd(), SOL_SOCKET, SO_SNDBUF, &small, sizeof small);
+  // Signals the thread until it is done, while the peer holds back.
+  auto interrupt = [](pthread_t t, const std::atomic<bool>& done) {
+    for (int i = 0; i < 20 && !done.load(); ++i) {
+      std::this_thread::sleep_for(5ms);
+      if (!done.load()) ::pthread_kill(t, SIGUSR2);
+    }
+  };
+  // write_all: more than the socket holds, so the thread blocks (and is interrupted) until the
+  // peer drains it.
+  std::string data(1 << 20, '\0');
+  std::mt19937 rng(11);
+  for (char& c : data) c = static_cast<char>(rng());
+  std::atomic<bool> done{false};
+  ssize_t wrote = 0;
+  std::thread writer([&] {
+    wrote = a.write_all(data.data(), data.size());
+    done = true;
+  });
+  interrupt(writer.native_handle(), done);
+  std::string got(data.size(), '\0');
+  CHECK(b.read_exact(got.data(), got.size(), patience()) == static_cast<ssize_t>(got.size()));
+  writer.join();
+  CHECK(wrote == static_cast<ssize_t>(data.size()));
+  CHECK(got == data);
+  // read_exact: half the bytes now, the rest after the interruptions.
+  done = false;
+  ssize_t read = 0;
+  char buf[8] = {};
+  REQUIRE(b.write_all("abcd", 4) == 4);
+  std::thread reader([&] {
+    read = a.read_exact(buf, sizeof buf);
+    done = true;
+  });
+  interrupt(reader.native_handle(), done);
+  REQUIRE(b.write_all("efgh", 4) == 4);
+  reader.join();
+  CHECK(read == 8);
+  CHECK(std::string(buf, 8) == "abcdefgh");
+  ::sigaction(SIGUSR2, &old, nullptr);
+}
 
 TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBADF; cancel with ECANCELED") {
   for_each_proc_count([](fiber::Scheduler& s, int) {

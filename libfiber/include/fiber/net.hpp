@@ -26,6 +26,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -78,8 +79,11 @@ struct Address {
   std::string to_string() const;  // "1.2.3.4:80" / "[::1]:80"
 };
 // Parses "host:port" (see above). Names other than numeric ones and localhost are resolved
-// with getaddrinfo (on the blocking-offload pool inside a fiber).
-FIBER_API Result<Address> resolve(std::string_view host_port);
+// with getaddrinfo, on the blocking-offload pool inside a fiber or with a deadline; the caller
+// waits until the deadline (ETIMEDOUT) or a cancel (ECANCELED), whichever comes first, and a
+// lookup still running then finishes unwatched. A name that does not resolve gives
+// EHOSTUNREACH, a temporary resolver failure EAGAIN, a system error its errno.
+FIBER_API Result<Address> resolve(std::string_view host_port, io::Deadline deadline = {});
 
 // A connected TCP socket. Move-only; closes its descriptor when destroyed.
 class FIBER_API Stream {
@@ -87,7 +91,7 @@ class FIBER_API Stream {
   Stream() noexcept = default;
   // Takes ownership of a connected stream socket.
   explicit Stream(int fd) noexcept : fd_(fd) {}
-  Stream(Stream&& o) noexcept : fd_(std::exchange(o.fd_, -1)), known_socket_(o.known_socket_) {}
+  Stream(Stream&& o) noexcept : fd_(o.release()), known_socket_(o.known_socket_) {}
   Stream& operator=(Stream&& o) noexcept;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -98,28 +102,33 @@ class FIBER_API Stream {
 
   // Up to n bytes; 0 when the peer has closed; -errno.
   ssize_t read(void* buf, size_t n, io::Deadline deadline = {}) noexcept;
-  ssize_t write(const void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::send(fd_, buf, n, 0, deadline); }
+  ssize_t write(const void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::send(fd(), buf, n, 0, deadline); }
   // Exactly n bytes: returns n; fewer if the peer closed first (the count read); -errno on an
-  // error (the bytes read before it are in buf, their count is lost).
+  // error (the bytes read before it are in buf, their count is lost). A signal interrupting a
+  // plain thread's wait (EINTR) does not end it.
   ssize_t read_exact(void* buf, size_t n, io::Deadline deadline = {}) noexcept;
-  // All n bytes, looping over short writes: n, or -errno.
+  // All n bytes, looping over short writes (and EINTR, as read_exact): n, or -errno.
   ssize_t write_all(const void* buf, size_t n, io::Deadline deadline = {}) noexcept;
   // shutdown(2): SHUT_WR sends end-of-stream to the peer. 0 or -errno.
   int shutdown(int how = SHUT_WR) noexcept;
-  // Closes now (as io::close: wakes fibers waiting on it). 0 or -errno; 0 if already closed.
+  // Closes now (as io::close: wakes fibers waiting on it; from then on this stream's calls fail
+  // with EBADF). 0 or -errno; 0 if already closed. The one call that may run while other fibers
+  // use the stream.
   int close() noexcept;
   int set_nodelay(bool on) noexcept;
 
-  int fd() const noexcept { return fd_; }
-  bool is_open() const noexcept { return fd_ >= 0; }
+  int fd() const noexcept { return fd_.load(std::memory_order_relaxed); }
+  bool is_open() const noexcept { return fd() >= 0; }
   // Gives up ownership of the descriptor.
-  int release() noexcept { return std::exchange(fd_, -1); }
+  int release() noexcept { return fd_.exchange(-1, std::memory_order_relaxed); }
   Result<Address> peer_address() const;
 
  private:
   friend class Listener;
   Stream(int fd, bool known_socket) noexcept : fd_(fd), known_socket_(known_socket) {}
-  int fd_ = -1;
+  // Atomic because close() may run while another fiber is in a call (relaxed: the descriptor's
+  // own synchronisation is io::close's; this only makes the number's read well defined).
+  std::atomic<int> fd_{-1};
   // Made by dial() or accept(), so certainly a socket: read() may let the kernel wait for data
   // before its first attempt (see libfiber/src/io/io.cpp, ring_op). A descriptor handed to
   // Stream(int) is not trusted with that: on a pipe it would wait instead of failing (ENOTSOCK).
@@ -130,7 +139,7 @@ class FIBER_API Stream {
 class FIBER_API Listener {
  public:
   Listener() noexcept = default;
-  Listener(Listener&& o) noexcept : fd_(std::exchange(o.fd_, -1)), port_(o.port_) {}
+  Listener(Listener&& o) noexcept : fd_(o.fd_.exchange(-1, std::memory_order_relaxed)), port_(o.port_) {}
   Listener& operator=(Listener&& o) noexcept;
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
@@ -142,13 +151,15 @@ class FIBER_API Listener {
   // The next connection (TCP_NODELAY set). Fails with -EMFILE/-ENFILE when out of descriptors:
   // the caller should back off and retry (see samples/echo_server.cpp).
   Result<Stream> accept(io::Deadline deadline = {});
+  // Closes now, waking a fiber waiting in accept() (which then fails with EBADF); may run while
+  // another fiber uses the listener.
   int close() noexcept;
 
   uint16_t port() const noexcept { return port_; }
-  int fd() const noexcept { return fd_; }
+  int fd() const noexcept { return fd_.load(std::memory_order_relaxed); }
 
  private:
-  int fd_ = -1;
+  std::atomic<int> fd_{-1};  // atomic as Stream's
   uint16_t port_ = 0;
 };
 

@@ -50,12 +50,14 @@ namespace {
 
 constexpr auto kIdleTimeout = std::chrono::seconds(10);
 
-// One blocking() call, on the calling fiber's stack.
+// One blocking() call, on the calling fiber's stack; or a detached job (blocking_detach), on the
+// heap, which nobody waits for and its helper deletes.
 struct Job {
   void (*run)(void*) noexcept;
   void* arg;
-  Waiter waiter;        // the caller's, prepared shielded before the job is queued
+  Waiter waiter;        // the caller's, prepared shielded before the job is queued; unused if detached
   Job* next = nullptr;  // queue link; GUARDED_BY(Pool::mu_)
+  bool detached = false;
 };
 
 class Pool {
@@ -148,9 +150,13 @@ void Pool::worker() noexcept {
     Job* job = pop();
     lock.unlock();
     job->run(job->arg);
-    // The claim (acq_rel) publishes what run() wrote on the caller's stack; after the wake the
-    // job may be gone.
-    waiter_notify(job->waiter);
+    if (job->detached) {
+      delete job;
+    } else {
+      // The claim (acq_rel) publishes what run() wrote on the caller's stack; after the wake the
+      // job may be gone.
+      waiter_notify(job->waiter);
+    }
     lock.lock();
   }
   --threads_;
@@ -196,6 +202,14 @@ std::size_t parse_blocking_threads(const char* value) {
 BlockingPoolStats blocking_pool_stats() noexcept {
   Pool* p = g_pool.load(std::memory_order_acquire);
   return p ? p->stats() : BlockingPoolStats{};
+}
+
+void blocking_detach(void (*run)(void*) noexcept, void* arg) {
+  Pool& p = pool();
+  std::unique_ptr<Job> job(new Job{run, arg});
+  job->detached = true;
+  p.submit(*job);  // throws with the job not queued
+  (void)job.release();  // the helper deletes it
 }
 
 void blocking_run(void (*run)(void*) noexcept, void* arg) {

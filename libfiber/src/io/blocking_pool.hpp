@@ -22,4 +22,10 @@ struct BlockingPoolStats {
 };
 BlockingPoolStats blocking_pool_stats() noexcept;
 
+// Queues run(arg) on the pool, from any thread, and returns at once: a job nobody waits for, so
+// `arg` must own what run() needs (run() frees it). Throws UsageError for an invalid
+// $FIBER_BLOCKING_THREADS, ResourceError if no helper thread exists and none can be started
+// (run() then never runs). For waits that must end before the job does (net::resolve's deadline).
+void blocking_detach(void (*run)(void*) noexcept, void* arg);
+
 }  // namespace fiber::detail

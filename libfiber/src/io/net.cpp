@@ -1,8 +1,10 @@
 // fiber::net: TCP over fiber::io. See fiber/net.hpp.
 #include "fiber/net.hpp"
 
-#include "fiber/blocking.hpp"
 #include "fiber/error.hpp"
+#include "fiber/semaphore.hpp"
+#include "fiber/this_fiber.hpp"
+#include "io/blocking_pool.hpp"
 #include "io/raw.hpp"
 #include "io/socket.hpp"
 
@@ -14,6 +16,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 namespace fiber::net {
 namespace raw = fiber::detail::raw;
@@ -54,6 +57,46 @@ bool parse_port(std::string_view s, uint16_t& out) {
   return true;
 }
 
+// A name lookup (getaddrinfo) on the blocking-offload pool that its caller may stop waiting for
+// (a deadline, a cancel) while it goes on. Shared by the caller and the job: whichever lets go
+// last frees it, and with it the result.
+struct Lookup {
+  std::string host;
+  addrinfo* res = nullptr;
+  int rc = EAI_SYSTEM;
+  int sys_errno = 0;         // EAI_SYSTEM's errno, from the thread that made the call
+  fiber::Semaphore done{0};  // released once the result is in
+  ~Lookup() {
+    if (res != nullptr) freeaddrinfo(res);
+  }
+  void run() noexcept {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    errno = 0;
+    rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+    sys_errno = errno;
+  }
+  // The pool job: `ref` is the job's own reference.
+  static void job(void* ref) noexcept {
+    std::unique_ptr<std::shared_ptr<Lookup>> own(static_cast<std::shared_ptr<Lookup>*>(ref));
+    (**own).run();
+    (**own).done.release();  // the job's reference keeps the semaphore alive through this
+  }
+};
+
+// getaddrinfo's error as an errno: EAGAIN for a temporary failure (EAI_AGAIN), ENOMEM, the
+// system error for EAI_SYSTEM (EIO if it left none), EHOSTUNREACH for a name that does not
+// resolve (EAI_NONAME, EAI_NODATA, EAI_FAIL, ...).
+int lookup_errno(int rc, int sys_errno) noexcept {
+  switch (rc) {
+    case EAI_SYSTEM: return sys_errno != 0 ? sys_errno : EIO;
+    case EAI_AGAIN: return EAGAIN;
+    case EAI_MEMORY: return ENOMEM;
+    default: return EHOSTUNREACH;
+  }
+}
+
 int socket_for(const Address& a) {
   const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   return fd < 0 ? -raw::last_errno() : fd;
@@ -85,7 +128,7 @@ std::string Address::to_string() const {
   return "?";
 }
 
-Result<Address> resolve(std::string_view host_port) {
+Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
   std::string_view host, port_s;
   if (!split(host_port, host, port_s)) return parse_failure(host_port, "expected host:port");
   uint16_t port;
@@ -114,29 +157,42 @@ Result<Address> resolve(std::string_view host_port) {
     a.len = sizeof(sockaddr_in6);
     return a;
   }
-  // A name: getaddrinfo blocks (DNS), so inside a fiber it runs on the blocking-offload pool.
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  int rc;
-  int sys_errno = 0;  // EAI_SYSTEM's errno, which belongs to the pool thread that made the call
-  try {
-    rc = fiber::blocking([&] {
-      const int r = getaddrinfo(h.c_str(), nullptr, &hints, &res);
-      sys_errno = errno;
-      return r;
-    });
-  } catch (const fiber::Cancelled&) {
-    return Result<Address>::failure(ECANCELED, "fiber::net: resolving " + quoted(host) + ": cancelled");
+  // A name: getaddrinfo blocks (DNS). A plain thread without a deadline calls it; otherwise it
+  // runs on the blocking-offload pool, and the caller waits for it until the deadline or a
+  // cancel, whichever comes first (the lookup then finishes unwatched).
+  if (deadline.expired()) {
+    return Result<Address>::failure(ETIMEDOUT, "fiber::net: resolving " + quoted(host) + ": the deadline passed");
   }
-  if (rc != 0 || res == nullptr) {
-    return Result<Address>::failure(rc == EAI_SYSTEM ? sys_errno : EHOSTUNREACH,
-                                    "fiber::net: cannot resolve " + quoted(host) + ": " + gai_strerror(rc));
+  auto lk = std::make_shared<Lookup>();
+  lk->host = h;
+  if (!this_fiber::in_fiber() && deadline.is_none()) {
+    lk->run();
+  } else {
+    auto ref = std::make_unique<std::shared_ptr<Lookup>>(lk);
+    try {
+      detail::blocking_detach(&Lookup::job, ref.get());
+      (void)ref.release();  // the job's now
+      if (deadline.is_none()) {
+        lk->done.acquire();
+      } else if (!lk->done.try_acquire_until(deadline.at())) {
+        return Result<Address>::failure(ETIMEDOUT, "fiber::net: resolving " + quoted(host) + ": the deadline passed");
+      }
+    } catch (const fiber::Cancelled&) {
+      return Result<Address>::failure(ECANCELED, "fiber::net: resolving " + quoted(host) + ": cancelled");
+    } catch (const fiber::ResourceError& e) {  // no helper thread could be started
+      return Result<Address>::failure(EAGAIN, "fiber::net: resolving " + quoted(host) + ": " + e.what());
+    } catch (const fiber::UsageError& e) {  // an invalid $FIBER_BLOCKING_THREADS
+      return Result<Address>::failure(EINVAL, "fiber::net: resolving " + quoted(host) + ": " + e.what());
+    }
   }
-  std::memcpy(&a.storage, res->ai_addr, res->ai_addrlen);
-  a.len = res->ai_addrlen;
-  freeaddrinfo(res);
+  if (lk->rc != 0 || lk->res == nullptr) {
+    return Result<Address>::failure(lookup_errno(lk->rc, lk->sys_errno),
+                                    "fiber::net: cannot resolve " + quoted(host) + ": " +
+                                        (lk->rc == EAI_SYSTEM ? std::strerror(lookup_errno(lk->rc, lk->sys_errno))
+                                                              : gai_strerror(lk->rc)));
+  }
+  std::memcpy(&a.storage, lk->res->ai_addr, lk->res->ai_addrlen);
+  a.len = lk->res->ai_addrlen;
   if (a.storage.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&a.storage)->sin_port = htons(port);
   if (a.storage.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&a.storage)->sin6_port = htons(port);
   return a;
@@ -147,14 +203,14 @@ Result<Address> resolve(std::string_view host_port) {
 Stream& Stream::operator=(Stream&& o) noexcept {
   if (this != &o) {
     close();
-    fd_ = std::exchange(o.fd_, -1);
+    fd_.store(o.release(), std::memory_order_relaxed);
     known_socket_ = o.known_socket_;
   }
   return *this;
 }
 
 Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
-  auto addr = resolve(host_port);
+  auto addr = resolve(host_port, deadline);
   if (!addr) return Result<Stream>::failure(addr.error(), addr.message());
   const int fd = socket_for(*addr);
   if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Stream::dial: socket: ") + std::strerror(-fd));
@@ -168,7 +224,7 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
 }
 
 ssize_t Stream::read(void* buf, size_t n, io::Deadline deadline) noexcept {
-  return known_socket_ ? detail::recv_socket(fd_, buf, n, deadline) : io::recv(fd_, buf, n, 0, deadline);
+  return known_socket_ ? detail::recv_socket(fd(), buf, n, deadline) : io::recv(fd(), buf, n, 0, deadline);
 }
 
 ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept {
@@ -176,6 +232,7 @@ ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept 
   size_t got = 0;
   while (got < n) {
     const ssize_t r = read(p + got, n - got, deadline);
+    if (r == -EINTR) continue;  // a plain thread's signal handler ran: the count is not lost
     if (r < 0) return r;
     if (r == 0) break;
     got += static_cast<size_t>(r);
@@ -187,24 +244,24 @@ ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noex
   const auto* p = static_cast<const char*>(buf);
   size_t sent = 0;
   while (sent < n) {
-    const ssize_t r = io::send(fd_, p + sent, n - sent, 0, deadline);
+    const ssize_t r = io::send(fd(), p + sent, n - sent, 0, deadline);
+    if (r == -EINTR) continue;  // as read_exact
     if (r < 0) return r;
     sent += static_cast<size_t>(r);
   }
   return static_cast<ssize_t>(sent);
 }
 
-int Stream::shutdown(int how) noexcept { return ::shutdown(fd_, how) == 0 ? 0 : -raw::last_errno(); }
+int Stream::shutdown(int how) noexcept { return ::shutdown(fd(), how) == 0 ? 0 : -raw::last_errno(); }
 
 namespace {
-// Stream::close and Listener::close. `fd` changes only once io::close has drained the fibers
-// waiting on it: their reads of it (made before they listed themselves on the descriptor)
-// happen before this write.
-int close_owned(int& fd) noexcept {
-  if (fd < 0) return 0;
-  const int rc = io::close(fd);
-  fd = -1;
-  return rc;
+// Stream::close and Listener::close, possibly while another fiber is in a call on it. The number
+// goes first: a call that starts after this (a read_exact going round its loop) sees -1 and
+// fails with EBADF instead of using a number the close may free for another file. Calls already
+// listed on the descriptor are woken by io::close.
+int close_owned(std::atomic<int>& owned) noexcept {
+  const int fd = owned.exchange(-1, std::memory_order_relaxed);
+  return fd < 0 ? 0 : io::close(fd);
 }
 }  // namespace
 
@@ -212,13 +269,13 @@ int Stream::close() noexcept { return close_owned(fd_); }
 
 int Stream::set_nodelay(bool on) noexcept {
   const int v = on ? 1 : 0;
-  return setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -raw::last_errno();
+  return setsockopt(fd(), IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -raw::last_errno();
 }
 
 Result<Address> Stream::peer_address() const {
   Address a;
   a.len = sizeof a.storage;
-  if (getpeername(fd_, reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+  if (getpeername(fd(), reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
     const int err = raw::last_errno();
     return Result<Address>::failure(err, std::string("fiber::net::Stream::peer_address: ") + std::strerror(err));
   }
@@ -230,7 +287,7 @@ Result<Address> Stream::peer_address() const {
 Listener& Listener::operator=(Listener&& o) noexcept {
   if (this != &o) {
     close();
-    fd_ = std::exchange(o.fd_, -1);
+    fd_.store(o.fd_.exchange(-1, std::memory_order_relaxed), std::memory_order_relaxed);
     port_ = o.port_;
   }
   return *this;
@@ -258,16 +315,16 @@ Result<Listener> Listener::listen(std::string_view host_port, int backlog) {
   bound.len = sizeof bound.storage;
   if (getsockname(fd, reinterpret_cast<sockaddr*>(&bound.storage), &bound.len) != 0) return fail("getsockname");
   Listener l;
-  l.fd_ = fd;
+  l.fd_.store(fd, std::memory_order_relaxed);
   l.port_ = bound.port();
   return l;
 }
 
 Result<Stream> Listener::accept(io::Deadline deadline) {
-  const int fd = io::accept(fd_, nullptr, nullptr, SOCK_CLOEXEC, deadline);
-  if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Listener::accept: ") + std::strerror(-fd));
-  nodelay(fd);
-  return Stream(fd, true);
+  const int conn = io::accept(fd(), nullptr, nullptr, SOCK_CLOEXEC, deadline);
+  if (conn < 0) return Result<Stream>::failure(-conn, std::string("fiber::net::Listener::accept: ") + std::strerror(-conn));
+  nodelay(conn);
+  return Stream(conn, true);
 }
 
 int Listener::close() noexcept { return close_owned(fd_); }
