@@ -116,6 +116,22 @@ class Server {
       }
       stop();
     });
+    // The stopper thread uses this object: it must be finished before run() returns, or throws
+    // (block_on rethrows what the accept loop threw, bad_alloc say; a joinable std::thread would
+    // then terminate the process). If no signal came, wake it; if one came, it is finishing
+    // stop() or has exited (then the signal goes nowhere: it is blocked in every thread).
+    struct JoinStopper {
+      Server& server;
+      std::thread& stopper;
+      ~JoinStopper() {
+        {
+          const std::lock_guard<std::mutex> lock(server.mu_);
+          server.finished_ = true;
+        }
+        pthread_kill(stopper.native_handle(), SIGTERM);
+        stopper.join();
+      }
+    } join_stopper{*this, stopper};
     bool failed = false;
     fiber::block_on([&] {
       {
@@ -129,15 +145,6 @@ class Server {
       // leave run() waiting for the clients to hang up.
       if (failed) stop();
     });
-    // The stopper thread uses this object: it must be finished before run() returns. If no
-    // signal came (the accept loop failed), wake it; if one came, it is finishing stop() or has
-    // exited (then the signal goes nowhere: it is blocked in every thread).
-    {
-      const std::lock_guard<std::mutex> lock(mu_);
-      finished_ = true;
-    }
-    pthread_kill(stopper.native_handle(), SIGTERM);
-    stopper.join();
     return failed ? 1 : 0;
   }
 
@@ -162,7 +169,11 @@ class Server {
             return false;  // stop() came during the back-off
           }
           break;
-        case ECONNABORTED: case EINTR:
+        // One connection's trouble, not the listener's: a client that went away, and the network
+        // errors Linux passes on from the new socket (accept(2): treat them as EAGAIN), EPERM
+        // from a firewall rule among them.
+        case ECONNABORTED: case EINTR: case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET:
+        case EHOSTUNREACH: case EOPNOTSUPP: case ENETDOWN: case ENETUNREACH: case EPERM:
           break;
         default:
           std::fprintf(stderr, "%s: %s\n", name_.c_str(), conn.message().c_str());
