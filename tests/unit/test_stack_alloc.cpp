@@ -66,6 +66,56 @@ TEST_CASE("stacks: with the address space used up, spawns fail with ResourceErro
   CHECK(contains(r.out, "refused and recovered"));
 }
 
+// FIBER_GUARDED_STACKS=4 (set by the parent; it also keeps guard markers out): four guarded
+// stacks of one size, all idle in the pool, once spent the whole budget, so every stack of
+// another size was unguarded from then on, for the life of the process.
+TEST_CASE("stacks: (child process) idle guarded stacks of one size give way to another size" * doctest::skip()) {
+  auto& alloc = fd::StackAllocator::instance();
+  REQUIRE(alloc.stats().guarded_limit == 4);
+  REQUIRE_FALSE(alloc.stats().guard_markers);
+  const std::size_t a = fd::stack_size_class(256 * 1024), b = fd::stack_size_class(64 * 1024);
+  std::vector<fd::Stack> as;
+  for (int i = 0; i < 4; ++i) as.push_back(alloc.allocate(a));
+  for (const fd::Stack& s : as) CHECK(s.kind == fd::StackKind::Guarded);
+  for (const fd::Stack& s : as) alloc.release(s);
+  const fd::StackStats idle = alloc.stats();
+  CHECK(idle.guarded_live == 0);
+  CHECK(idle.pooled == 4);
+  // Each stack of the other size takes the place of an idle one: unmapped, the books even.
+  std::vector<fd::Stack> bs;
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    bs.push_back(alloc.allocate(b));
+    CHECK(bs.back().kind == fd::StackKind::Guarded);
+    reinterpret_cast<volatile char*>(bs.back().top())[-1] = 1;  // mapped and writable
+    const fd::StackStats now = alloc.stats();
+    CHECK(now.guarded_live == static_cast<std::size_t>(i) + 1);
+    CHECK(now.pooled == 3 - static_cast<std::size_t>(i));
+    CHECK(now.mappings == idle.mappings);
+  }
+  // The budget is now spent on stacks in use: the next one is unguarded.
+  const fd::Stack fifth = alloc.allocate(b);
+  CHECK(fifth.kind == fd::StackKind::Unguarded);
+  alloc.release(fifth);
+  for (const fd::Stack& s : bs) alloc.release(s);
+  // And a size whose stacks are all in the pool takes them back first, unmapping nothing.
+  const fd::StackStats before = alloc.stats();
+  const fd::Stack again = alloc.allocate(b);
+  CHECK(again.kind == fd::StackKind::Guarded);
+  CHECK(alloc.stats().mappings == before.mappings);
+  alloc.release(again);
+  std::printf("guarded stacks made room\n");
+  std::fflush(stdout);
+}
+
+TEST_CASE("stacks: idle guarded stacks of one size do not keep guard pages from another (FIBER_GUARDED_STACKS=4)") {
+  const RunResult r = run_test_case("stacks: (child process) idle guarded stacks of one size give way to another size",
+                                    {"FIBER_GUARDED_STACKS=4"});
+  INFO("the child's status " << r.status << "; its stdout:\n" << r.out << "\nits stderr:\n" << r.err);
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "guarded stacks made room"));
+}
+
 TEST_CASE("stacks: FIBER_GUARDED_STACKS parsing") {
   using fd::parse_guarded_stacks;
   CHECK_FALSE(parse_guarded_stacks(nullptr).has_value());

@@ -153,6 +153,7 @@ StackAllocator::StackAllocator() {
     // Guard markers cost no mapping: no budget, every stack of a page or more is guarded.
     guard_markers_ = guard_markers_work(page_);
   }
+  guarded_alone_ = !guard_markers_;
 }
 
 // Guard-marker stacks: slots of a guard page and the stack, carved from a shared mapping whose
@@ -220,6 +221,10 @@ Stack StackAllocator::allocate_guarded(std::size_t size) {
   return Stack{static_cast<char*>(p) + page_, size, StackKind::Guarded};
 }
 
+void StackAllocator::unmap_guarded(Stack s) const noexcept {
+  munmap(s.lo - page_, s.size + page_);  // the guard page and the stack: allocate_guarded's mapping
+}
+
 Stack StackAllocator::carve_locked(std::size_t size) {
   Chunk& c = chunks_[size];
   if (c.next == nullptr || static_cast<std::size_t>(c.end - c.next) < size) {
@@ -240,7 +245,8 @@ Stack StackAllocator::carve_locked(std::size_t size) {
 // One stack, with the lock held: Take::stack (in `out`), or what the caller has to do outside the
 // lock first. Pooled guarded stacks first, then guard-marker chunks (unless `markers` is false:
 // mapping one just failed), then a guarded stack of its own while the budget lasts (reserved
-// here only if `may_reserve`: a batch ends where one would be), then pooled or carved unguarded.
+// here only if `may_reserve`: a batch ends where one would be) or while idle guarded stacks of
+// other sizes can be unmapped to make room, then pooled or carved unguarded.
 StackAllocator::Take StackAllocator::take_locked(std::size_t size, bool may_reserve, bool markers, Stack& out) {
   const bool compact = size < page_;
   auto g = free_guarded_.find(size);
@@ -259,6 +265,19 @@ StackAllocator::Take StackAllocator::take_locked(std::size_t size, bool may_rese
   if (!compact && guarded_live_ + pooled_guarded() < guarded_limit_) {
     if (may_reserve) ++guarded_live_;  // mapped outside the lock
     return Take::reserve;
+  }
+  // The budget is spent, but partly on idle guarded stacks of other sizes, which only their own
+  // size could reuse: unmap one (outside the lock) to make room. Otherwise a past burst of one
+  // size would leave every later stack of the others unguarded for the life of the process.
+  if (!compact && may_reserve && guarded_alone_ && guarded_live_ < guarded_limit_) {
+    for (auto& [other, pool] : free_guarded_) {
+      if (pool.empty()) continue;  // (the pool of `size` itself is empty: checked first)
+      out = pool.back();
+      pool.pop_back();
+      --pooled_;
+      ++guarded_live_;  // the new stack's
+      return Take::reserve_evicting;
+    }
   }
   auto it = free_.find(size);
   if (it != free_.end() && !it->second.empty()) {
@@ -305,9 +324,11 @@ std::size_t StackAllocator::allocate_batch(std::size_t size, Stack* out, std::si
     // Only a reserved stack is mapped on its own. One sent to the chunks (the guarded budget
     // spent, or a compact one) whose chunk cannot be mapped is refused: mapped alone it would
     // overrun the budget, uncounted.
-    if (t == Take::reserve && got == 0) {
+    if ((t == Take::reserve || t == Take::reserve_evicting) && got == 0) {
+      if (t == Take::reserve_evicting) unmap_guarded(out[got]);
       Stack s = allocate_guarded(size);
       std::lock_guard lock(mu_);
+      if (t == Take::reserve_evicting) mappings_ -= 2;
       if (s) {
         mappings_ += 2;
       } else {
@@ -328,8 +349,9 @@ std::size_t StackAllocator::allocate_batch(std::size_t size, Stack* out, std::si
 }
 
 void StackAllocator::release_locked(Stack s) noexcept {
-  // Stacks are never unmapped: munmap (and mprotect) shoot down TLB entries on every CPU,
-  // which under load costs far more than the address space kept. Pages a fiber touched stay
+  // Stacks are not unmapped when returned: munmap (and mprotect) shoot down TLB entries on every
+  // CPU, which under load costs far more than the address space kept. (The one exception is a
+  // guarded stack taken back for the budget, in take_locked.) Pages a fiber touched stay
   // committed for the next fiber of that size class.
   if (s.kind == StackKind::Guarded) {
     --guarded_live_;

@@ -107,11 +107,13 @@ class StackAllocator {
     char* end = nullptr;
   };
   // What take_locked found: a stack, or the step to take outside the lock before one can be had.
-  enum class Take : uint8_t { stack, map_marked, reserve, none };
+  // reserve_evicting: reserve, and unmap the pooled guarded stack (of another size) handed back.
+  enum class Take : uint8_t { stack, map_marked, reserve, reserve_evicting, none };
 
   StackAllocator();
   Take take_locked(std::size_t size, bool may_reserve, bool markers, Stack& out);  // REQUIRES(mu_)
   Stack allocate_guarded(std::size_t size);
+  void unmap_guarded(Stack s) const noexcept;  // one that allocate_guarded mapped
   Chunk map_marked_chunk(std::size_t size, int& err) const;
   void adopt_marked_locked(std::size_t size, Chunk fresh);  // REQUIRES(mu_)
   Stack carve_locked(std::size_t size);  // REQUIRES(mu_)
@@ -121,6 +123,9 @@ class StackAllocator {
   std::size_t page_ = 4096;
   std::size_t guarded_limit_ = 0;  // immutable after construction
   bool guard_markers_ = false;     // GUARDED_BY(mu_) after construction: cleared if the kernel refuses
+  // No guard markers at construction: every pooled guarded stack is a mapping of its own
+  // (allocate_guarded), which may be unmapped to make room in the budget. Immutable.
+  bool guarded_alone_ = false;
 
   std::mutex mu_;
   // Everything below is GUARDED_BY(mu_).
