@@ -161,19 +161,20 @@ class Server {
       switch (conn.error()) {
         case ECANCELED:  // stop()
           return false;
+        // Out of descriptors or memory: wait for connections to close rather than spin. And one
+        // connection's trouble, not the listener's: the network errors Linux passes on from the
+        // new socket (accept(2): retry them as EAGAIN), EPERM from a firewall rule among them;
+        // a short pause too, in case one keeps coming (a seccomp rule, a network down for good).
         case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
-          // Out of descriptors or memory: wait for connections to close rather than spin.
+        case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET: case EHOSTUNREACH: case EOPNOTSUPP:
+        case ENETDOWN: case ENETUNREACH: case EPERM:
           try {
             fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
           } catch (const fiber::Cancelled&) {
             return false;  // stop() came during the back-off
           }
           break;
-        // One connection's trouble, not the listener's: a client that went away, and the network
-        // errors Linux passes on from the new socket (accept(2): treat them as EAGAIN), EPERM
-        // from a firewall rule among them.
-        case ECONNABORTED: case EINTR: case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET:
-        case EHOSTUNREACH: case EOPNOTSUPP: case ENETDOWN: case ENETUNREACH: case EPERM:
+        case ECONNABORTED: case EINTR:  // a client that went away before its turn
           break;
         default:
           std::fprintf(stderr, "%s: %s\n", name_.c_str(), conn.message().c_str());

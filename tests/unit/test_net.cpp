@@ -490,6 +490,18 @@ TEST_CASE("net: addresses that do not parse and backlog 0 give EINVAL naming the
 // Names (not numeric addresses, not localhost) go through getaddrinfo; the steered resolver above
 // stands in for DNS servers that answer, fail, or never answer.
 TEST_CASE("net: name lookups: a result, resolver failures as errnos, and a lookup that hangs ends at the deadline or a cancel") {
+  // Lets the hanging lookups finish and waits until they have, also when a REQUIRE ends the
+  // test early: left hanging they would hold pool threads the later tests need.
+  auto let_lookups_finish = [] {
+    resolver_test::release = true;
+    const bool finished = wait_for([] { return resolver_test::hanging.load() == 0; });
+    resolver_test::release = false;
+    return finished;
+  };
+  struct Finally {
+    decltype(let_lookups_finish)& f;
+    ~Finally() { f(); }
+  } finally{let_lookups_finish};
   resolver_test::release = false;
   auto answers = [] {
     auto ok = net::resolve("ok.resolver.test:8080");
@@ -524,10 +536,43 @@ TEST_CASE("net: name lookups: a result, resolver failures as errnos, and a looku
     REQUIRE(wait_for([&] { return resolver_test::hanging.load() > before; }));
     h.cancel();
     CHECK(h.join() == ECANCELED);
+    CHECK(let_lookups_finish());  // they finish unwatched
   }, {1, 2});
   run_on_thread(answers);
+  CHECK(let_lookups_finish());
+}
+
+// Every abandoned lookup holds a thread of the pool fiber::blocking shares until the resolver
+// answers. A dial retried in a loop against a resolver that does not answer once filled it,
+// and every fiber::blocking call waited behind them.
+TEST_CASE("net: lookups abandoned to a resolver that does not answer are bounded; new ones fail fast with EAGAIN") {
+  resolver_test::release = false;
+  struct Finally {
+    ~Finally() {
+      resolver_test::release = true;
+      wait_for([] { return resolver_test::hanging.load() == 0; });
+      resolver_test::release = false;
+    }
+  } finally;
+  fiber::Scheduler s({.processors = 2, .name = "lookups"});
+  fiber::spawn({.scheduler = &s}, [] {
+    int timed_out = 0;
+    net::Result<net::Address> r = net::resolve("ok.resolver.test:1");
+    // Each gives up after 10 ms; the lookups go on, until the bound stops new ones.
+    for (int i = 0; i < 100 && (r = net::resolve("hang.resolver.test:80", 10ms)).error() == ETIMEDOUT; ++i) ++timed_out;
+    CHECK(timed_out == 8);
+    CHECK(r.error() == EAGAIN);
+    CHECK_MESSAGE(contains(r.message(), "have not finished"), r.message());
+    CHECK(net::resolve("ok.resolver.test:1", patience()).error() == EAGAIN);  // any name, while they hang
+    CHECK(net::resolve("127.0.0.1:1", patience()).ok());                      // numeric: no lookup
+    CHECK(fiber::blocking([] { return 7; }) == 7);  // the pool still serves others
+  }).join();
   resolver_test::release = true;
-  CHECK(wait_for([] { return resolver_test::hanging.load() == 0; }));  // they finish unwatched
+  REQUIRE(wait_for([] { return resolver_test::hanging.load() == 0; }));
+  // Once they have finished, lookups work again.
+  CHECK(wait_for([&] {
+    return fiber::spawn({.scheduler = &s}, [] { return net::resolve("ok.resolver.test:1", patience()).ok(); }).join();
+  }));
 }
 
 // On a plain thread, a signal handler installed without SA_RESTART interrupts a blocked send or

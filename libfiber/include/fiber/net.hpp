@@ -81,8 +81,10 @@ struct Address {
 // Parses "host:port" (see above). Names other than numeric ones and localhost are resolved
 // with getaddrinfo, on the blocking-offload pool inside a fiber or with a deadline; the caller
 // waits until the deadline (ETIMEDOUT) or a cancel (ECANCELED), whichever comes first, and a
-// lookup still running then finishes unwatched. A name that does not resolve gives
-// EHOSTUNREACH, a temporary resolver failure EAGAIN, a system error its errno.
+// lookup still running then finishes unwatched, holding a pool thread; while 8 such lookups are
+// unfinished (a resolver that does not answer), new ones fail at once with EAGAIN rather than
+// fill the pool that fiber::blocking shares. A name that does not resolve gives EHOSTUNREACH, a
+// temporary resolver failure EAGAIN, a system error its errno.
 FIBER_API Result<Address> resolve(std::string_view host_port, io::Deadline deadline = {});
 
 // A connected TCP socket. Move-only; closes its descriptor when destroyed.
@@ -111,9 +113,10 @@ class FIBER_API Stream {
   ssize_t write_all(const void* buf, size_t n, io::Deadline deadline = {}) noexcept;
   // shutdown(2): SHUT_WR sends end-of-stream to the peer. 0 or -errno.
   int shutdown(int how = SHUT_WR) noexcept;
-  // Closes now (as io::close: wakes fibers waiting on it; from then on this stream's calls fail
-  // with EBADF). 0 or -errno; 0 if already closed. The one call that may run while other fibers
-  // use the stream.
+  // Closes now (as io::close: wakes fibers waiting on it; calls made after it returns fail with
+  // EBADF). 0 or -errno; 0 if already closed. The one call that may run while other fibers use
+  // the stream. (A call that has already read the descriptor number but not yet started its
+  // operation when close() runs may still act on that number, as with close(2) itself.)
   int close() noexcept;
   int set_nodelay(bool on) noexcept;
 

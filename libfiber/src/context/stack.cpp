@@ -269,6 +269,8 @@ StackAllocator::Take StackAllocator::take_locked(std::size_t size, bool may_rese
   // The budget is spent, but partly on idle guarded stacks of other sizes, which only their own
   // size could reuse: unmap one (outside the lock) to make room. Otherwise a past burst of one
   // size would leave every later stack of the others unguarded for the life of the process.
+  // Only stacks returned to this pool are reached: those still in a processor's StackCache (at
+  // most kMaxCached per size per processor) keep their share of the budget.
   if (!compact && may_reserve && guarded_alone_ && guarded_live_ < guarded_limit_) {
     for (auto& [other, pool] : free_guarded_) {
       if (pool.empty()) continue;  // (the pool of `size` itself is empty: checked first)

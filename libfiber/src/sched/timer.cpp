@@ -33,23 +33,27 @@ void TimerQueue::remove(TimerEntry* e) noexcept {
 
 std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
   std::size_t woken = 0;
+  std::size_t taken = 0;  // entries removed, woken or not (their waiter claimed elsewhere first)
   bool more = next_deadline() <= now;
-  while (more && woken < max) {
+  while (more && taken < max) {
     // Claim under the lock, wake outside it: a claimed waiter cannot resume until woken, so its
     // record stays valid; an unclaimed (lost) one is never touched after the lock is released.
-    // In batches, so that the buffer stays small (this runs on fiber stacks too) and remote
-    // removers do not wait behind a long expiry.
+    // In batches of at most kFireBatch entries, so that the buffer stays small (this runs on
+    // fiber stacks too) and remote removers wait behind at most one batch.
     Waiter* claimed[kFireBatch];
     std::size_t n = 0;
     {
       std::lock_guard lock(mu_);
-      const std::size_t room = std::min(std::size(claimed), max - woken);
-      while (!heap_.empty() && heap_[0]->deadline_ns <= now && n < room) {
+      const std::size_t room = std::min(std::size(claimed), max - taken);
+      std::size_t batch = 0;
+      while (!heap_.empty() && heap_[0]->deadline_ns <= now && batch < room) {
         TimerEntry* e = heap_[0];
         erase_at(0);
+        ++batch;
         if (waiter_claim(*e->waiter, WakeReason::Timeout)) claimed[n++] = e->waiter;
       }
-      more = n == room && !heap_.empty() && heap_[0]->deadline_ns <= now;
+      taken += batch;
+      more = batch == room && !heap_.empty() && heap_[0]->deadline_ns <= now;
       publish_next();
     }
     for (std::size_t i = 0; i < n; ++i) waiter_wake(*claimed[i]);

@@ -45,8 +45,8 @@ class TimerQueue {
   // Earliest deadline, or kNone. Racy read for the owner's wait timeout.
   int64_t next_deadline() const noexcept { return next_.load(std::memory_order_acquire); }
   // The owner, or the monitor for a stalled owner (Monitor::rescue): fires the entries due at
-  // `now`, earliest first (FIFO among equal deadlines), all of them or at most `max` that wake a
-  // waiter; returns how many woke one.
+  // `now`, earliest first (FIFO among equal deadlines), all of them or at most `max` entries;
+  // returns how many woke a waiter (an entry whose waiter a peer claimed first wakes none).
   std::size_t fire_expired(int64_t now, std::size_t max = std::numeric_limits<std::size_t>::max()) noexcept;
   std::size_t size() const noexcept;
 
