@@ -485,24 +485,31 @@ TEST_CASE("net: addresses that do not parse and backlog 0 give EINVAL naming the
   SUBCASE("plain thread") { run_on_thread(body); }
 }
 
-// ------------------------------------------------------------------------------ close, cancel
+// ------------------------------------------------------------------------------ name lookups
+
+namespace {
+
+// Lets the lookups of hang.resolver.test finish and waits until they have; false if they do not.
+bool let_lookups_finish() {
+  resolver_test::release = true;
+  const bool finished = wait_for([] { return resolver_test::hanging.load() == 0; });
+  resolver_test::release = false;
+  return finished;
+}
+
+// For a test's scope, lookups of hang.resolver.test hang; at its end, also when a REQUIRE ends it
+// early, they are let finish: left hanging they would hold pool threads the later tests need.
+struct HangingLookups {
+  HangingLookups() { resolver_test::release = false; }
+  ~HangingLookups() { let_lookups_finish(); }
+};
+
+}  // namespace
 
 // Names (not numeric addresses, not localhost) go through getaddrinfo; the steered resolver above
 // stands in for DNS servers that answer, fail, or never answer.
 TEST_CASE("net: name lookups: a result, resolver failures as errnos, and a lookup that hangs ends at the deadline or a cancel") {
-  // Lets the hanging lookups finish and waits until they have, also when a REQUIRE ends the
-  // test early: left hanging they would hold pool threads the later tests need.
-  auto let_lookups_finish = [] {
-    resolver_test::release = true;
-    const bool finished = wait_for([] { return resolver_test::hanging.load() == 0; });
-    resolver_test::release = false;
-    return finished;
-  };
-  struct Finally {
-    decltype(let_lookups_finish)& f;
-    ~Finally() { f(); }
-  } finally{let_lookups_finish};
-  resolver_test::release = false;
+  HangingLookups scope;
   auto answers = [] {
     auto ok = net::resolve("ok.resolver.test:8080");
     REQUIRE_MESSAGE(ok.ok(), ok.message());
@@ -546,14 +553,7 @@ TEST_CASE("net: name lookups: a result, resolver failures as errnos, and a looku
 // answers. A dial retried in a loop against a resolver that does not answer once filled it,
 // and every fiber::blocking call waited behind them.
 TEST_CASE("net: lookups abandoned to a resolver that does not answer are bounded; new ones fail fast with EAGAIN") {
-  resolver_test::release = false;
-  struct Finally {
-    ~Finally() {
-      resolver_test::release = true;
-      wait_for([] { return resolver_test::hanging.load() == 0; });
-      resolver_test::release = false;
-    }
-  } finally;
+  HangingLookups scope;
   fiber::Scheduler s({.processors = 2, .name = "lookups"});
   fiber::spawn({.scheduler = &s}, [] {
     int timed_out = 0;
@@ -567,13 +567,14 @@ TEST_CASE("net: lookups abandoned to a resolver that does not answer are bounded
     CHECK(net::resolve("127.0.0.1:1", patience()).ok());                      // numeric: no lookup
     CHECK(fiber::blocking([] { return 7; }) == 7);  // the pool still serves others
   }).join();
-  resolver_test::release = true;
-  REQUIRE(wait_for([] { return resolver_test::hanging.load() == 0; }));
+  REQUIRE(let_lookups_finish());
   // Once they have finished, lookups work again.
   CHECK(wait_for([&] {
     return fiber::spawn({.scheduler = &s}, [] { return net::resolve("ok.resolver.test:1", patience()).ok(); }).join();
   }));
 }
+
+// ------------------------------------------------------------------------------ signals
 
 // On a plain thread, a signal handler installed without SA_RESTART interrupts a blocked send or
 // recv with EINTR. write_all and read_exact once returned it, losing the count already moved
@@ -629,6 +630,8 @@ TEST_CASE("net: write_all and read_exact on a plain thread go on after EINTR") {
   CHECK(std::string(buf, 8) == "abcdefgh");
   ::sigaction(SIGUSR2, &old, nullptr);
 }
+
+// ------------------------------------------------------------------------------ close, cancel
 
 TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBADF; cancel with ECANCELED") {
   for_each_proc_count([](fiber::Scheduler& s, int) {

@@ -21,6 +21,7 @@ using namespace fiber_test;
 namespace fd = fiber::detail;
 
 constexpr const char* kNoMemoryChild = "stacks: (child process) the allocator with the address space used up";
+constexpr const char* kMakeRoomChild = "stacks: (child process) idle guarded stacks of one size give way to another size";
 
 }  // namespace
 
@@ -69,7 +70,7 @@ TEST_CASE("stacks: with the address space used up, spawns fail with ResourceErro
 // FIBER_GUARDED_STACKS=4 (set by the parent; it also keeps guard markers out): four guarded
 // stacks of one size, all idle in the pool, once spent the whole budget, so every stack of
 // another size was unguarded from then on, for the life of the process.
-TEST_CASE("stacks: (child process) idle guarded stacks of one size give way to another size" * doctest::skip()) {
+TEST_CASE(kMakeRoomChild * doctest::skip()) {
   auto& alloc = fd::StackAllocator::instance();
   REQUIRE(alloc.stats().guarded_limit == 4);
   REQUIRE_FALSE(alloc.stats().guard_markers);
@@ -109,8 +110,7 @@ TEST_CASE("stacks: (child process) idle guarded stacks of one size give way to a
 }
 
 TEST_CASE("stacks: idle guarded stacks of one size do not keep guard pages from another (FIBER_GUARDED_STACKS=4)") {
-  const RunResult r = run_test_case("stacks: (child process) idle guarded stacks of one size give way to another size",
-                                    {"FIBER_GUARDED_STACKS=4"});
+  const RunResult r = run_test_case(kMakeRoomChild, {"FIBER_GUARDED_STACKS=4"});
   INFO("the child's status " << r.status << "; its stdout:\n" << r.out << "\nits stderr:\n" << r.err);
   CHECK(r.status == 0);
   CHECK(contains(r.out, "guarded stacks made room"));

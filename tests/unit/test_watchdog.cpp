@@ -92,6 +92,21 @@ bool spin_until(Pred&& pred, std::chrono::milliseconds limit) {
   return true;
 }
 
+// A fiber spins 60 ms without switching on a scheduler of 1 processor (2 allowed) with watchdog
+// options `wd`: nothing may be reported and no extra processor started.
+void check_hog_unreported(const char* name, fiber::WatchdogOptions wd) {
+  Reports reports;
+  wd.sink = reports.sink();
+  with_watchdog(60'000ms, name, [&] {
+    fiber::Scheduler s({.processors = 1, .max_processors = 2, .name = name, .watchdog = wd});
+    fiber::spawn({.scheduler = &s}, [] { spin_until([] { return false; }, 60ms); }).join();
+    CHECK_MESSAGE(s.blocked_incidents() == 0, reports.dump());
+    CHECK(s.extra_processors() == 0);
+    CHECK(s.watchdog_stats().extra_started == 0);
+    CHECK(reports.all().empty());
+  });
+}
+
 }  // namespace
 
 TEST_CASE("watchdog: a CPU-bound fiber does not stop 1000 queued fibers (1 processor, 2 allowed)") {
@@ -404,19 +419,7 @@ TEST_CASE("watchdog: no report under a busy workload of many short fibers") {
 }
 
 TEST_CASE("watchdog: disabled, it starts nothing and reports nothing") {
-  Reports reports;
-  with_watchdog(60'000ms, "watchdog disabled", [&] {
-    fiber::Scheduler s({.processors = 1,
-                        .max_processors = 2,
-                        .name = "wd-off",
-                        .watchdog = {.enabled = false, .threshold = 1ms, .sink = reports.sink()}});
-    auto h = fiber::spawn({.scheduler = &s}, [] { spin_until([] { return false; }, 60ms); });
-    h.join();
-    CHECK(s.blocked_incidents() == 0);
-    CHECK(s.extra_processors() == 0);
-    CHECK(s.watchdog_stats().extra_started == 0);
-    CHECK(reports.all().empty());
-  });
+  check_hog_unreported("wd-off", {.enabled = false, .threshold = 1ms});
 }
 
 TEST_CASE("watchdog: the default sink writes one line to stderr naming the fiber") {
@@ -454,19 +457,9 @@ TEST_CASE("watchdog: the default sink writes one line to stderr naming the fiber
 // overflowed: the threshold became negative, and every fiber seen running on two samples in a
 // row was judged blocked and reported.
 TEST_CASE("watchdog: microseconds::max() timings mean never") {
-  Reports reports;
-  with_watchdog(60'000ms, "watchdog max timings", [&] {
-    fiber::Scheduler s({.processors = 1,
-                        .max_processors = 2,
-                        .name = "wd-max",
-                        .watchdog = {.threshold = std::chrono::microseconds::max(),
-                                     .retire_after = std::chrono::microseconds::max(),
-                                     .sink = reports.sink()}});
-    auto h = fiber::spawn({.scheduler = &s}, [] { spin_until([] { return false; }, 60ms); });
-    h.join();
-    CHECK_MESSAGE(s.blocked_incidents() == 0, reports.dump());
-    CHECK(reports.all().empty());
-    CHECK(s.extra_processors() == 0);
+  check_hog_unreported("wd-max", {.threshold = std::chrono::microseconds::max(),
+                                  .retire_after = std::chrono::microseconds::max()});
+  with_watchdog(60'000ms, "watchdog max interval", [] {
     // The longest sampling interval: the monitor sleeps "for ever" and stop() still ends it.
     fiber::Scheduler t({.processors = 1, .name = "wd-max2", .watchdog = {.interval = std::chrono::microseconds::max()}});
     CHECK(fiber::spawn({.scheduler = &t}, [] { return 7; }).join() == 7);

@@ -3,7 +3,6 @@
 
 #include "fiber/error.hpp"
 #include "fiber/semaphore.hpp"
-#include "fiber/this_fiber.hpp"
 #include "io/blocking_pool.hpp"
 #include "io/raw.hpp"
 #include "io/socket.hpp"
@@ -98,9 +97,10 @@ struct Lookup {
   // The pool job: `ref` is the job's own reference.
   static void job(void* ref) noexcept {
     std::unique_ptr<std::shared_ptr<Lookup>> own(static_cast<std::shared_ptr<Lookup>*>(ref));
-    (**own).run();
-    if ((**own).state.exchange(kFinished) == kAbandoned) g_abandoned_lookups.fetch_sub(1, std::memory_order_relaxed);
-    (**own).done.release();  // the job's reference keeps the semaphore alive through this
+    Lookup& lk = **own;
+    lk.run();
+    if (lk.state.exchange(kFinished) == kAbandoned) g_abandoned_lookups.fetch_sub(1, std::memory_order_relaxed);
+    lk.done.release();  // the job's reference keeps the semaphore alive through this
   }
 };
 
@@ -179,22 +179,20 @@ Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
   // A name: getaddrinfo blocks (DNS). A plain thread without a deadline calls it; otherwise it
   // runs on the blocking-offload pool, and the caller waits for it until the deadline or a
   // cancel, whichever comes first (the lookup then finishes unwatched).
-  if (deadline.expired()) {
-    return Result<Address>::failure(ETIMEDOUT, "fiber::net: resolving " + quoted(host) + ": the deadline passed");
-  }
+  auto fail = [&](int err, const std::string& why) {
+    return Result<Address>::failure(err, "fiber::net: resolving " + quoted(host) + ": " + why);
+  };
+  if (deadline.expired()) return fail(ETIMEDOUT, "the deadline passed");
   const detail::Fiber* self = detail::current_fiber();
-  if (self != nullptr && self->cancel_requested.load(std::memory_order_acquire)) {
-    return Result<Address>::failure(ECANCELED, "fiber::net: resolving " + quoted(host) + ": cancelled");
-  }
+  if (self != nullptr && self->cancel_requested.load(std::memory_order_acquire)) return fail(ECANCELED, "cancelled");
   auto lk = std::make_shared<Lookup>();
   lk->host = h;
   if (self == nullptr && deadline.is_none()) {
     lk->run();
   } else {
     if (g_abandoned_lookups.load(std::memory_order_relaxed) >= kMaxAbandonedLookups) {
-      return Result<Address>::failure(
-          EAGAIN, "fiber::net: resolving " + quoted(host) + ": " + std::to_string(kMaxAbandonedLookups) +
-                      " earlier lookups whose callers gave up have not finished (is the resolver answering?)");
+      return fail(EAGAIN, std::to_string(kMaxAbandonedLookups) +
+                              " earlier lookups whose callers gave up have not finished (is the resolver answering?)");
     }
     auto ref = std::make_unique<std::shared_ptr<Lookup>>(lk);
     try {
@@ -204,22 +202,21 @@ Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
         lk->done.acquire();
       } else if (!lk->done.try_acquire_until(deadline.at())) {
         lk->abandon();
-        return Result<Address>::failure(ETIMEDOUT, "fiber::net: resolving " + quoted(host) + ": the deadline passed");
+        return fail(ETIMEDOUT, "the deadline passed");
       }
     } catch (const fiber::Cancelled&) {
-      lk->abandon();  // no-op if the job never started (it was not queued) or has finished
-      return Result<Address>::failure(ECANCELED, "fiber::net: resolving " + quoted(host) + ": cancelled");
+      lk->abandon();  // no-op if the job has finished
+      return fail(ECANCELED, "cancelled");
     } catch (const fiber::ResourceError& e) {  // no helper thread could be started
-      return Result<Address>::failure(EAGAIN, "fiber::net: resolving " + quoted(host) + ": " + e.what());
+      return fail(EAGAIN, e.what());
     } catch (const fiber::UsageError& e) {  // an invalid $FIBER_BLOCKING_THREADS
-      return Result<Address>::failure(EINVAL, "fiber::net: resolving " + quoted(host) + ": " + e.what());
+      return fail(EINVAL, e.what());
     }
   }
   if (lk->rc != 0 || lk->res == nullptr) {
-    return Result<Address>::failure(lookup_errno(lk->rc, lk->sys_errno),
-                                    "fiber::net: cannot resolve " + quoted(host) + ": " +
-                                        (lk->rc == EAI_SYSTEM ? std::strerror(lookup_errno(lk->rc, lk->sys_errno))
-                                                              : gai_strerror(lk->rc)));
+    const int err = lookup_errno(lk->rc, lk->sys_errno);
+    return Result<Address>::failure(err, "fiber::net: cannot resolve " + quoted(host) + ": " +
+                                             (lk->rc == EAI_SYSTEM ? std::strerror(err) : gai_strerror(lk->rc)));
   }
   std::memcpy(&a.storage, lk->res->ai_addr, lk->res->ai_addrlen);
   a.len = lk->res->ai_addrlen;

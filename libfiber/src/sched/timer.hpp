@@ -3,9 +3,9 @@
 // Only the owning processor adds entries and fires them (the watchdog's monitor fires them for an
 // owner that is stalled); any thread may remove one (a fiber woken by a peer removes its timer
 // after it resumes, wherever it resumes). The heap is guarded by a spinlock held for O(log n)
-// steps (an add that grows the vector, amortised), never across a switch. Firing claims the entry's waiter
-// with WakeReason::Timeout under the lock, so a fiber that resumes for another reason and then
-// removes its entry can never race with a firing that still reads it.
+// steps (amortised: an add may grow the vector), never across a switch. Firing claims the
+// entry's waiter with WakeReason::Timeout under the lock, so a fiber that resumes for another
+// reason and then removes its entry can never race with a firing that still reads it.
 #pragma once
 
 #include <atomic>
