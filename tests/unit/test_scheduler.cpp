@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -573,6 +574,72 @@ TEST_CASE("Scheduler: stop() of another scheduler from a fiber") {
   CHECK(destroyed.load() == 1);
   CHECK(victim->live_fibers() == 0);
   victim.reset();
+}
+
+TEST_CASE("Scheduler: a fiber stopping its own inner scheduler while a thread stops the outer one") {
+  // stop() calls were serialised by one lock for every scheduler: the outer stop() held it
+  // while it waited for the fiber, whose unwinding ~Scheduler waited for the same lock.
+  with_watchdog(20'000ms, "nested stop()", [] {
+    fiber::Scheduler outer({.processors = 1, .name = "outer"});
+    std::atomic<bool> inner_running{false};
+    std::atomic<int> inner_destroyed{0};
+    go go_on(outer)[&] {
+      fiber::Scheduler inner({.processors = 1, .name = "inner"});
+      go go_on(inner)[&] {
+        DtorCounter d(inner_destroyed);
+        fiber::this_fiber::sleep_for(std::chrono::hours(1));
+      };
+      inner_running = true;
+      fiber::this_fiber::sleep_for(std::chrono::hours(1));  // cancelled by outer.stop(); ~inner stops it
+    };
+    REQUIRE(wait_for([&] { return inner_running.load() && outer.live_fibers() == 1; }));
+    outer.stop();
+    CHECK(outer.live_fibers() == 0);
+    CHECK(inner_destroyed.load() == 1);
+  });
+}
+
+TEST_CASE("Scheduler: spawns from a plain thread racing stop() either throw or run (cancelled)") {
+  // A spawn from outside that passed its stopping() check used to be counted only when it was
+  // queued: stop() could find no fiber alive, shut the processors down, and leave that fiber
+  // never run (its join hung) and the spawner inside a freed scheduler.
+  const int rounds = kTsan ? 40 : 300;
+  std::mt19937 rng(7);
+  int refused = 0, ran = 0, cancelled = 0;
+  for (int round = 0; round < rounds; ++round) {
+    with_watchdog(20'000ms, "spawn racing stop()", [&] {
+      fiber::Scheduler s({.processors = 2, .name = "racing"});
+      std::vector<fiber::JoinHandle<int>> handles;
+      std::atomic<bool> started{false};
+      std::thread spawner([&] {
+        for (int i = 0;; ++i) {
+          try {
+            handles.push_back(fiber::spawn({.scheduler = &s}, [i] { return i; }));
+          } catch (const fiber::UsageError& e) {
+            CHECK_MESSAGE(contains(e.what(), "stopped"), e.what());
+            ++refused;
+            return;
+          }
+          started = true;
+        }
+      });
+      while (!started) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200));
+      s.stop();
+      spawner.join();
+      for (std::size_t i = 0; i < handles.size(); ++i) {
+        try {
+          REQUIRE(handles[i].join() == static_cast<int>(i));
+          ++ran;
+        } catch (const fiber::Cancelled&) {
+          ++cancelled;
+        }
+      }
+      CHECK(s.live_fibers() == 0);
+    });
+  }
+  CHECK(refused == rounds);
+  MESSAGE(ran << " spawns ran, " << cancelled << " were cancelled at their first run");
 }
 
 TEST_CASE("JoinHandle::cancel") {

@@ -480,6 +480,88 @@ TEST_CASE("spawn: an exception escaping a detached fiber reaches the unhandled-e
   });
 }
 
+namespace {
+// A handler that blocks: it hands each report to whoever receives on g_report_channel.
+fiber::Channel<unsigned long long>* g_report_channel = nullptr;
+std::atomic<int> g_blocking_handler_entered{0};
+void blocking_handler(const fiber::UnhandledException& e) {
+  ++g_blocking_handler_entered;
+  g_report_channel->send(e.fiber_id);
+}
+}  // namespace
+
+TEST_CASE("spawn: an unhandled-exception handler that blocks keeps its fiber alive; stop() cancels it") {
+  // The fiber used to count as finished, and be unlisted, before the handler ran: stop() then
+  // found nothing alive, shut the processors down under the blocked handler, and a block_on
+  // waiting for that fiber never returned.
+  fiber::Channel<unsigned long long> reports;  // nobody receives until the end
+  g_report_channel = &reports;
+  g_blocking_handler_entered = 0;
+  const auto previous = fiber::set_unhandled_exception_handler(&blocking_handler);
+  with_watchdog(20'000ms, "stop() with a blocked handler", [] {
+    fiber::Scheduler s({.processors = 2, .name = "handler"});
+    std::atomic<bool> block_on_returned{false};
+    std::thread t([&] {
+      fiber::block_on({.scheduler = &s}, [] { go[] { throw std::runtime_error("reported"); }; });
+      block_on_returned = true;
+    });
+    REQUIRE(wait_for([] { return g_blocking_handler_entered.load() == 1; }));
+    CHECK(s.live_fibers() == 1);  // the thrower, blocked in its handler
+    CHECK_FALSE(block_on_returned.load());
+    s.stop();  // cancels the handler's send: it ends there
+    t.join();
+    CHECK(block_on_returned.load());
+    CHECK(s.live_fibers() == 0);
+  });
+  fiber::set_unhandled_exception_handler(previous);
+  CHECK_FALSE(static_cast<bool>(reports.try_recv()));  // the cancelled send delivered nothing
+  g_report_channel = nullptr;
+}
+
+TEST_CASE("JoinHandle: concurrent waits on one handle each return or say busy; the winner is woken") {
+  // Two waits racing on one handle used to both write its one wait record: the loser's
+  // withdrawal then ended the winner's wait, which hung (or, for a fiber, had its control block
+  // released twice). Now one takes the record and the others get UsageError at once.
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const int rounds = kTsan ? 100 : 1000;
+    int busy = 0;
+    for (int round = 0; round < rounds; ++round) {
+      fiber::Channel<int> gate(1);
+      auto target = fiber::spawn({.scheduler = &s}, [&gate] { return *gate.recv(); });
+      std::atomic<int> finished_seen{0};
+      std::atomic<int> busy_seen{0};
+      // Each waiter waits until it sees the target finished; a UsageError (another wait holds
+      // the record) sends it round again.
+      auto waiter = [&] {
+        for (;;) {
+          try {
+            if (target.wait_for(std::chrono::microseconds(round % 7 * 20))) {
+              ++finished_seen;
+              return;
+            }
+          } catch (const fiber::UsageError& e) {
+            REQUIRE_MESSAGE(contains(e.what(), "already waiting"), e.what());
+            ++busy_seen;
+            fiber::this_fiber::yield();
+          }
+        }
+      };
+      auto f1 = fiber::spawn({.scheduler = &s}, waiter);
+      auto f2 = fiber::spawn({.scheduler = &s}, waiter);
+      std::thread t1(waiter);
+      if (round % 3 != 0) std::this_thread::yield();
+      gate.send(round);
+      t1.join();
+      f1.join();
+      f2.join();
+      CHECK(finished_seen.load() == 3);
+      REQUIRE(target.join() == round);
+      busy += busy_seen.load();
+    }
+    MESSAGE(busy << " waits found another in progress");
+  });
+}
+
 TEST_CASE("spawn: set_unhandled_exception_handler returns the previous handler; nullptr restores the default") {
   auto original = fiber::set_unhandled_exception_handler(&recording_handler);
   CHECK((original != nullptr));

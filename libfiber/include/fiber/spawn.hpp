@@ -245,8 +245,13 @@ auto spawn(const SpawnOptions& options, F&& f, Args&&... args) {
   return spawn_in(detail::SpawnRequest{options}, std::forward<F>(f), std::forward<Args>(args)...);
 }
 
-// What to do with an exception that escapes a detached fiber. The default prints the fiber's id,
-// name and the exception's message to stderr and aborts. Returns the previous handler.
+// What to do with an exception that escapes a detached fiber. fiber::Cancelled is not reported:
+// it ends a fiber quietly, whether a cancel asked for it, the fiber threw it, or a join passed
+// it on from a cancelled fiber. The default prints the fiber's id, name and the exception's message to stderr and aborts. The
+// handler runs on that fiber, which counts as alive until it returns: it may block (send on a
+// channel, write a log), and Scheduler::stop() waits for it and cancels such a wait (a
+// Cancelled escaping the handler then ends it quietly; any other exception escaping it aborts
+// the process). Returns the previous handler.
 struct UnhandledException {
   unsigned long long fiber_id;
   std::string_view fiber_name;

@@ -104,6 +104,7 @@ struct Fiber {
   bool is_loop : 1 = false;   // a processor's own thread stack, not a real fiber
   bool has_task : 1 = false;  // task() is constructed: from fiber_submit until destroy_fiber
   bool joinable : 1 = false;  // a JoinHandle's wait record follows the Fiber (join_waiter())
+  bool foreign_spawn : 1 = false;  // counted in its scheduler's foreign_spawns_ until submitted
   Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
   Stack stack;  // empty until first run; written only while the fiber does not run
@@ -122,8 +123,10 @@ struct Fiber {
   static constexpr uint16_t kUnlisted = 0xffff;  // shards are processor slots: at most 1024
   uint16_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
   SanitizerStack san;  // here, not last: in release builds it fills what would be padding
-  // ---- join: 0 (running, nobody waits), kJoinWaiting (join_waiter() is armed), kJoinFinished,
-  // kJoinDetached.
+  // ---- join: 0 (running, nobody waits), kJoinArming (a waiter has taken the record and is
+  // writing it), kJoinWaiting (join_waiter() is armed), kJoinFinished, kJoinDetached. Only the
+  // waiter that moved the word 0 -> kJoinArming writes the record: a second, concurrent wait
+  // fails that CAS and never touches it.
   std::atomic<uint8_t> join_word{0};
   // Set (never cleared) by a cancel before it sets wake_word's cancel bit. A wait begins with
   // a plain store of wake_word, which could overwrite a bit set in the meantime; the fiber
@@ -133,6 +136,7 @@ struct Fiber {
   static constexpr uint8_t kJoinWaiting = 1;
   static constexpr uint8_t kJoinFinished = 2;
   static constexpr uint8_t kJoinDetached = 3;
+  static constexpr uint8_t kJoinArming = 4;
 
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes

@@ -263,8 +263,7 @@ Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
   complete_switch(t);
   run_task(self);
-  current_processor()->count_finish();
-  complete_fiber(self);
+  complete_fiber(self);  // counts the finish
   self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
   // Read after complete_fiber: the unhandled-exception handler it may call can block, and the
   // fiber resume on another processor.
@@ -305,8 +304,7 @@ void Processor::run(Fiber* f) noexcept {
   settle_group_debt_before(f);
   if (f->ctx == nullptr && !prepare_first_run(f)) {
     f->transition(FiberState::Runnable, FiberState::Running);
-    count_finish();
-    complete_fiber(f);
+    complete_fiber(f);  // counts the finish
     f->transition(FiberState::Running, FiberState::Finished);
     drop_fiber_ref(f);
     return;

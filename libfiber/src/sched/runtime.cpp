@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <cstdio>
 #include <cstdlib>
@@ -64,13 +65,22 @@ bool is_cancellation(const std::exception_ptr& e) noexcept {
   }
 }
 
-// An exception nobody will observe: a detached fiber's, other than the cancellation that stop()
-// and JoinHandle::cancel() ask for.
+// An exception nobody will observe: a detached fiber's, other than fiber::Cancelled. That one is
+// how a fiber ends quietly: the cancellation stop(), JoinHandle::cancel() or a token asked for,
+// one the fiber throws itself, or one passed on from a cancelled fiber it joined (tested in
+// test_spawn.cpp, "reaches the unhandled-exception handler", part 4).
 void report_if_unobserved(Fiber* f) noexcept {
   TaskBase* task = f->task();
   if (!task || !task->error || is_cancellation(task->error)) return;
-  g_unhandled.load(std::memory_order_acquire)(
-      UnhandledException{f->id, f->name ? std::string_view(f->name) : std::string_view(), task->error});
+  try {
+    g_unhandled.load(std::memory_order_acquire)(
+        UnhandledException{f->id, f->name ? std::string_view(f->name) : std::string_view(), task->error});
+  } catch (const Cancelled&) {
+    // stop() (or a token) cancelled a wait the handler made: it ends there, as a fiber would.
+  } catch (...) {
+    std::fputs("libfiber: the unhandled-exception handler threw an exception; aborting\n", stderr);
+    std::abort();
+  }
 }
 
 
@@ -302,37 +312,48 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
                     void** task_storage) {
   Fiber* cur = current_fiber();
   SchedulerImpl& s = target_scheduler(req.options, cur);
-  if (s.stopping() && (cur == nullptr || cur->sched != &s)) {
-    throw UsageError("fiber::spawn: scheduler '" + s.name() + "' is stopped");
-  }
   const std::size_t size_class =
       req.options.stack_size ? stack_size_class(req.options.stack_size) : s.default_stack_class();
   if (task_align > alignof(std::max_align_t)) {
     throw UsageError("fiber::spawn: the callable's alignment exceeds alignof(std::max_align_t)");
   }
+  std::unique_ptr<char[]> name;
+  if (!req.options.name.empty()) {
+    name.reset(new char[req.options.name.size() + 1]);
+    std::memcpy(name.get(), req.options.name.data(), req.options.name.size());
+    name[req.options.name.size()] = '\0';
+  }
+  // A fiber of s may spawn while s stops (its children are cancelled as they start); a spawn
+  // from outside may not, and is counted in flight until fiber_submit or fiber_abandon.
+  const bool foreign = cur == nullptr || cur->sched != &s;
+  if (foreign) s.foreign_spawn_begin();  // throws when s is stopping
   const std::size_t off = Fiber::task_offset(joinable);
   const BlockClass c = block_class_for(off + task_size);
-  void* mem = allocate_block(off + task_size, c);  // slots and malloc: aligned for max_align_t
+  void* mem;
+  try {
+    mem = allocate_block(off + task_size, c);  // slots and malloc: aligned for max_align_t
+  } catch (...) {
+    if (foreign) s.foreign_spawn_end();
+    throw;
+  }
   Fiber* f = new (mem) Fiber();
   if (joinable) new (static_cast<char*>(mem) + sizeof(Fiber)) Waiter();
   f->joinable = joinable;
+  f->foreign_spawn = foreign;
   f->block_class = c;
   f->sched = &s;
   f->set_stack_size(size_class);
   Processor* p = current_processor();
   f->id = (p && &p->sched() == &s) ? p->next_fiber_id() : allocate_fiber_ids(1);
   f->group = req.group ? req.group : (cur ? cur->group : nullptr);
-  if (!req.options.name.empty()) {
-    f->name = new char[req.options.name.size() + 1];
-    std::memcpy(f->name, req.options.name.data(), req.options.name.size());
-    f->name[req.options.name.size()] = '\0';
-  }
+  f->name = name.release();
   *task_storage = static_cast<char*>(mem) + off;
   return f;
 }
 
 void fiber_abandon(Fiber* f) noexcept {
   f->has_task = false;
+  if (f->foreign_spawn) f->sched->foreign_spawn_end();
   destroy_fiber(f);
 }
 
@@ -350,15 +371,18 @@ void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
   }
   Processor* p = current_processor();
   if (f->group && !(p && p->group_member_spawned(f->group))) f->group->add();
-  const bool local = p != nullptr && &p->sched() == f->sched;
+  SchedulerImpl& s = *f->sched;  // f may run, finish and be freed once published
+  const bool in_flight = f->foreign_spawn;
+  const bool local = p != nullptr && &p->sched() == &s;
   f->set_state(FiberState::Created, FiberState::Runnable);  // not yet visible to anyone
   if (local) {
     p->count_spawn();
     p->schedule_local(f);
   } else {
-    f->sched->count_foreign_spawn();
-    f->sched->inject(f);
+    s.count_foreign_spawn();
+    s.inject(f);
   }
+  if (in_flight) s.foreign_spawn_end();  // counted now: stop() may go on (our last touch of s)
 }
 
 void run_task(Fiber* self) noexcept {
@@ -369,28 +393,42 @@ void run_task(Fiber* self) noexcept {
   }
 }
 
-void complete_fiber(Fiber* f) noexcept {
-  // stop() may count this fiber gone already (count_finish()); it joins the processors, whose
-  // threads alone touch the registry, before the scheduler goes away.
+// Unlisted (stop() no longer finds it) and counted finished (live_fibers()).
+static void leave_scheduler(Fiber* f) noexcept {
   f->sched->registry().remove(f);
+  current_processor()->count_finish();  // read afresh: the fiber may have moved
+}
+
+void complete_fiber(Fiber* f) noexcept {
   Group* g = f->group;
   // Detached is final: no handle is left to wait or detach, so nobody else writes the word and
   // a store does. Only a word a handle may still change needs the exchange (a locked
   // instruction: `go` fibers, born detached, skip it; 5 ns of spawn_1t's, with the one below).
   uint8_t old = f->join_word.load(std::memory_order_acquire);
   if (old == Fiber::kJoinDetached) {
+    // First the unhandled-exception handler (`go` fibers are born detached, and a dropped
+    // handle detaches): it may block, so the fiber stays listed and counted alive until it
+    // returns, for stop() to cancel that wait rather than shut the processors down under it.
+    report_if_unobserved(f);
+    leave_scheduler(f);
     f->join_word.store(Fiber::kJoinFinished, std::memory_order_release);
   } else {
+    // Counted finished before a joiner can see it so: join() returned means live_fibers()
+    // no longer counts it.
+    leave_scheduler(f);
     old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
+    // Detached in the few instructions since the load: reported here, but counted finished
+    // already, so stop() would not wait for a handler that blocks now.
+    if (old == Fiber::kJoinDetached) report_if_unobserved(f);
   }
+  // kJoinArming: a waiter is writing the record; its CAS to kJoinWaiting now fails and it ends
+  // its wait itself. Nothing to notify.
   if (old == Fiber::kJoinWaiting) {
     // A waiting fiber lent us a reference to itself (fiber_wait_until): its claim word, which
     // waiter_notify reads, is in its own control block, and it may have given up already.
     Fiber* joiner = f->join_waiter().fiber;
     waiter_notify(f->join_waiter());
     if (joiner) drop_fiber_ref(joiner);
-  } else if (old == Fiber::kJoinDetached) {
-    report_if_unobserved(f);  // detached: `go` fibers are born so, and a dropped handle detaches
   }
   // Read afresh: the handler above may have blocked, and the fiber moved.
   if (g) current_processor()->group_member_done(g);  // settled when it leaves the group (group.hpp)
@@ -427,7 +465,14 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
     return UsageError(std::string(what) +
                       ": another fiber or thread is already waiting for this fiber (a JoinHandle takes one wait at a time)");
   };
-  if (f->join_word.load(std::memory_order_acquire) == Fiber::kJoinWaiting) throw busy();
+  // Take the record before writing it: two waits racing on one handle (two fibers, or a fiber
+  // and a thread) would otherwise both write it, and the loser's withdrawal would end the
+  // winner's wait. The loser fails this CAS without touching the record.
+  uint8_t expected = 0;
+  if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinArming, std::memory_order_acq_rel)) {
+    if (expected == Fiber::kJoinFinished) return true;
+    throw busy();  // kJoinArming or kJoinWaiting: another wait holds the record
+  }
   // The record lives in `f`, but a waiting fiber's claim word is in its own control block, and
   // the finisher reads it after its exchange in complete_fiber - possibly after a timed-out or
   // cancelled waiter has given up, returned and ended. So a waiting fiber lends the finisher a
@@ -436,12 +481,13 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   // record and its parker is never freed, so a thread lends nothing.
   if (self) fiber_retain(self);
   waiter_prepare(f->join_waiter());
-  uint8_t expected = 0;
+  expected = Fiber::kJoinArming;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinWaiting, std::memory_order_acq_rel)) {
+    // Only complete_fiber moves the word off kJoinArming: it finished in between, and saw no
+    // one to notify.
     waiter_abandon(f->join_waiter());
     if (self) drop_fiber_ref(self);
-    if (expected != Fiber::kJoinFinished) throw busy();
-    return true;  // it finished in between
+    return true;
   }
   const WakeReason r =
       timed ? waiter_wait_until(f->join_waiter(), ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))

@@ -166,9 +166,9 @@ void SchedulerImpl::notify_if_work_pending() noexcept {
 // So no fiber counts less than zero, and one counted as finished has its children counted as
 // spawned: down the tree of any spawn that happened before this call, the sum stays above zero
 // while one of them is unfinished. stop() relies on that - each fiber descends from a spawn
-// made before stop(). Not covered, as before this count existed: a plain thread's spawn racing
-// stop() (the caller's race), and a spawn from an unhandled-exception handler, which runs
-// after its fiber has finished. While fibers come and go the sum may count one that has just
+// made before stop(). A spawn from outside racing stop() is counted before stop() gets here
+// (foreign_spawns_), and a fiber counts as finished only once its unhandled-exception handler,
+// which may spawn, has returned. While fibers come and go the sum may count one that has just
 // finished.
 std::size_t SchedulerImpl::live_fibers() const noexcept {
   uint64_t finished = 0;
@@ -178,16 +178,26 @@ std::size_t SchedulerImpl::live_fibers() const noexcept {
   return spawned > finished ? static_cast<std::size_t>(spawned - finished) : 0;
 }
 
+void SchedulerImpl::foreign_spawn_begin() {
+  foreign_spawns_.fetch_add(1, std::memory_order_seq_cst);
+  if (stopping_.load(std::memory_order_seq_cst)) {
+    foreign_spawn_end();
+    throw UsageError("fiber::spawn: scheduler '" + name_ + "' is stopped");
+  }
+}
+
 void SchedulerImpl::stop() {
   if (stopped_.load(std::memory_order_acquire)) return;
   if (Fiber* f = current_fiber(); f != nullptr && f->sched == this) {
     throw UsageError("fiber::Scheduler::stop: called from a fiber of scheduler '" + name_ +
                      "'; it would wait for itself");
   }
-  static std::mutex stop_mu;  // serialises concurrent stop() calls; rare
-  std::lock_guard lock(stop_mu);
+  std::lock_guard lock(stop_mu_);
   if (stopped_.load(std::memory_order_acquire)) return;
-  stopping_.store(true, std::memory_order_release);
+  stopping_.store(true, std::memory_order_seq_cst);
+  // Spawns from outside that passed their check before the store above: let them be counted
+  // (foreign_spawns_). They take microseconds; their fibers cancel themselves as they first run.
+  while (foreign_spawns_.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
   // Cancel everything alive until nothing is: fibers spawned while unwinding get cancelled on
   // a later round; queued ones, listed only once they start, cancel themselves as they first
   // run (Processor::prepare_first_run, which lists before it looks at stopping(): either this

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,12 @@ class SchedulerImpl {
   void foreign_wake_begin() noexcept { foreign_wakes_.fetch_add(1, std::memory_order_acq_rel); }
   void foreign_wake_end() noexcept { foreign_wakes_.fetch_sub(1, std::memory_order_acq_rel); }
   void count_foreign_spawn() noexcept { foreign_spawned_.fetch_add(1, std::memory_order_release); }  // see live_fibers()
+  // A spawn from outside this scheduler (a plain thread, another scheduler's fiber) between
+  // its check of stopping() and its count_foreign_spawn(): stop() waits for those to end, so
+  // that such a spawn either throws or is counted (and cancelled) before stop() counts live
+  // fibers. begin throws UsageError when the scheduler is stopping.
+  void foreign_spawn_begin();
+  void foreign_spawn_end() noexcept { foreign_spawns_.fetch_sub(1, std::memory_order_release); }
   // Spawned and not finished, queued ones included. Exact when nothing is running; while fibers
   // spawn and finish it may count one that has just finished, never miss one alive that
   // descends from a spawn made before the call (stop() relies on that). See the definition.
@@ -129,6 +136,13 @@ class SchedulerImpl {
   // published, so a stop() that saw the fiber finish also sees the increment.
   std::atomic<uint32_t> foreign_wakes_{0};
   std::atomic<uint64_t> foreign_spawned_{0};  // spawned from threads that are not our processors (see live_fibers())
+  // Foreign spawns past their stopping() check and not yet counted. Invariant (a store-load
+  // pair, hence seq_cst on both sides): a spawner increments this before it reads stopping_,
+  // stop() stores stopping_ before it reads this; so either the spawner sees the flag and
+  // throws, or stop() sees the spawn in flight and waits for it to be counted.
+  std::atomic<uint32_t> foreign_spawns_{0};
+  std::mutex stop_mu_;  // serialises stop() calls on this scheduler (one per scheduler: a fiber
+                        // may stop another scheduler while a thread is stopping ours)
 
  public:
   // Every scheduler alive, newest first (fiber::dump, the dump signal, tools/gdb/libfiber.py).
