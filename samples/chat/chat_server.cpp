@@ -251,7 +251,10 @@ class Hub {
 
   void shut_down() {
     // Say goodbye, and end each reader by shutting its socket's read side: each then leaves.
-    // Writers still write what is queued (the goodbye) before their queue's end.
+    // Even a client that keeps sending cannot keep its reader going: once the read side is shut,
+    // Linux TCP no longer opens the receive window, and a read returns end of stream as soon as
+    // what was already let in has been read. Writers still write what is queued (the goodbye)
+    // before their queue's end.
     for (auto& [id, m] : members_) {
       deliver(id, m, "* server shutting down");
       m.out->close();
@@ -354,14 +357,16 @@ bool accept_loop(fiber::net::Listener& ln, const std::atomic<bool>& stopping, Hu
       go [&hub, id, out = std::move(out), c = std::move(*conn)]() mutable { serve(std::move(c), hub, id, std::move(out)); };
       continue;
     }
-    if (conn.error() == EMFILE || conn.error() == ENFILE || conn.error() == ENOBUFS || conn.error() == ENOMEM) {
-      // Out of descriptors: wait for connections to close rather than spin.
-      fiber::this_fiber::sleep_for(10ms);
-      continue;
+    switch (sample::classify_accept_error(conn.error())) {
+      case sample::AcceptFailure::kRetry:
+        break;
+      case sample::AcceptFailure::kPause:  // out of descriptors, or one client's network trouble
+        fiber::this_fiber::sleep_for(sample::kAcceptPause);
+        break;
+      case sample::AcceptFailure::kFatal:
+        std::fprintf(stderr, "chat_server: %s\n", conn.message().c_str());
+        return false;
     }
-    if (conn.error() == ECONNABORTED || conn.error() == EINTR) continue;
-    std::fprintf(stderr, "chat_server: %s\n", conn.message().c_str());
-    return false;
   }
 }
 

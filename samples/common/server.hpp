@@ -13,7 +13,9 @@
 //   processors"; the integration tests wait for it.
 // - run() accepts connections and runs `handler` in a fiber of its own for each one. The loop
 //   survives running out of descriptors (EMFILE/ENFILE): it backs off and retries once
-//   connections have closed, rather than spin or die.
+//   connections have closed, rather than spin or die; nor does one client's failed connection
+//   end it. classify_accept_error() holds that policy, for a server with an accept loop of its
+//   own (samples/chat) to share.
 // - SIGTERM/SIGINT cancel the accept loop, which closes the listener, and every connection's
 //   fiber: its blocked read or write ends with -ECANCELED, so a handler that returns on I/O
 //   errors returns. run() returns 0 once every connection fiber has finished. If the accept loop
@@ -89,6 +91,32 @@ inline void linger_close(fiber::net::Stream& conn, std::chrono::milliseconds lim
   }
 }
 
+// What an accept loop does after accept() failed with `error` (every sample server's loop asks
+// this, so they agree on which errors end a server).
+enum class AcceptFailure {
+  kRetry,  // accept again at once
+  kPause,  // accept again after kAcceptPause
+  kFatal,  // the listener itself is broken: stop accepting
+};
+constexpr std::chrono::milliseconds kAcceptPause{10};
+
+inline AcceptFailure classify_accept_error(int error) noexcept {
+  switch (error) {
+    // Out of descriptors or memory: wait for connections to close rather than spin. And one
+    // connection's trouble, not the listener's: the network errors Linux passes on from the
+    // new socket (accept(2): retry them as EAGAIN), EPERM from a firewall rule among them;
+    // a short pause too, in case one keeps coming (a seccomp rule, a network down for good).
+    case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
+    case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET: case EHOSTUNREACH: case EOPNOTSUPP:
+    case ENETDOWN: case ENETUNREACH: case EPERM:
+      return AcceptFailure::kPause;
+    case ECONNABORTED: case EINTR:  // a client that went away before its turn
+      return AcceptFailure::kRetry;
+    default:
+      return AcceptFailure::kFatal;
+  }
+}
+
 class Server {
  public:
   Server(std::string name, const std::string& port) : name_(std::move(name)), stop_signals_(block_stop_signals()) {
@@ -158,25 +186,18 @@ class Server {
         go [this, &handler, c = std::move(*conn)]() mutable { run_connection(handler, std::move(c)); };
         continue;
       }
-      switch (conn.error()) {
-        case ECANCELED:  // stop()
-          return false;
-        // Out of descriptors or memory: wait for connections to close rather than spin. And one
-        // connection's trouble, not the listener's: the network errors Linux passes on from the
-        // new socket (accept(2): retry them as EAGAIN), EPERM from a firewall rule among them;
-        // a short pause too, in case one keeps coming (a seccomp rule, a network down for good).
-        case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
-        case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET: case EHOSTUNREACH: case EOPNOTSUPP:
-        case ENETDOWN: case ENETUNREACH: case EPERM:
+      if (conn.error() == ECANCELED) return false;  // stop()
+      switch (classify_accept_error(conn.error())) {
+        case AcceptFailure::kRetry:
+          break;
+        case AcceptFailure::kPause:
           try {
-            fiber::this_fiber::sleep_for(std::chrono::milliseconds(10));
+            fiber::this_fiber::sleep_for(kAcceptPause);
           } catch (const fiber::Cancelled&) {
             return false;  // stop() came during the back-off
           }
           break;
-        case ECONNABORTED: case EINTR:  // a client that went away before its turn
-          break;
-        default:
+        case AcceptFailure::kFatal:
           std::fprintf(stderr, "%s: %s\n", name_.c_str(), conn.message().c_str());
           return true;
       }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "process.hpp"
@@ -496,6 +498,30 @@ TEST_CASE("SIGTERM ends the server with status 0 while clients are connected") {
   auto again = Server::start(SERVER_BIN, {std::to_string(server.port())}, {"FIBER_PROCS=1"});
   CHECK(again.port() == server.port());
   CHECK_CLEAN_STOP(again);
+}
+
+TEST_CASE("SIGTERM ends the server while a client keeps sending") {
+  // The server ends its readers by shutting their sockets' read side. That still lets in what
+  // the receive window allowed before, and a reader that found data at every read would keep
+  // the stop waiting; on Linux the window stays shut from then on, so the reader soon finds
+  // none and leaves.
+  auto server = start_server();
+  Client flooder(server.port());
+  flooder.welcome();
+  std::atomic<bool> stop_sending{false};
+  std::atomic<size_t> sent{0};
+  std::thread sender([&] {
+    std::string lines;
+    for (int i = 0; i < 1024; ++i) lines += "x\n";
+    // Until the server is gone (a reset, an error) or the test says so.
+    while (!stop_sending.load() && flooder.send(lines)) sent += lines.size();
+  });
+  // Stop while the flood is under way: it keeps going throughout the stop.
+  const bool flooding = wait_for([&] { return sent.load() >= (size_t{256} << 10); });
+  if (flooding) CHECK_CLEAN_STOP(server);
+  stop_sending = true;
+  sender.join();
+  CHECK_MESSAGE(flooding, "the client could not send: " << flooder.why());
 }
 
 }  // TEST_SUITE("chat")
