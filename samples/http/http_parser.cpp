@@ -96,8 +96,15 @@ void Parser::reset_request() noexcept {
   lead_ = scanned_ = head_end_ = 0;
   body_ = Body::kNone;
   content_length_ = 0;
+  expect_continue_ = false;
   chunk_ = Chunk::kSize;
   chunk_pos_ = chunk_left_ = trailer_bytes_ = 0;
+}
+
+void Parser::shrink() {
+  // Above this, decoded-body storage is a large request's and is not kept for the next ones.
+  constexpr size_t kKeep = 64 * 1024;
+  if (head_end_ == 0 && chunked_body_.capacity() > kKeep) std::string().swap(chunked_body_);
 }
 
 Parse Parser::parse(std::string_view in, Request& req) {
@@ -211,6 +218,7 @@ Parse Parser::parse_head(std::string_view head, Request& req) {
   size_t hosts = 0;
   body_ = Body::kNone;
   content_length_ = 0;
+  expect_continue_ = false;
   while (pos < head.size()) {
     const std::string_view field = next_line(head, pos);
     if (field.empty()) break;  // the blank line ending the header
@@ -245,6 +253,19 @@ Parse Parser::parse_head(std::string_view head, Request& req) {
       }
     } else if (iequals(name, "host")) {
       ++hosts;
+    } else if (iequals(name, "expect") && req.minor_version == 1) {
+      // A list of expectations (RFC 9110 10.1.1), of which 100-continue is the only one defined;
+      // empty members count for nothing, as in any list field.
+      for (std::string_view rest = value; !rest.empty();) {
+        const size_t comma = rest.find(',');
+        const std::string_view member = trim(rest.substr(0, comma));
+        if (iequals(member, "100-continue")) {
+          expect_continue_ = true;
+        } else if (!member.empty()) {
+          return fail(417, "unsupported expectation");
+        }
+        rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+      }
     }
   }
   if (req.minor_version == 1 && hosts != 1) return fail(400, hosts == 0 ? "missing Host" : "more than one Host");
@@ -343,6 +364,7 @@ Parse Parser::scan_chunks(std::string_view in) {
 
 const char* reason_phrase(int status) noexcept {
   switch (status) {
+    case 100: return "Continue";
     case 200: return "OK";
     case 204: return "No Content";
     case 304: return "Not Modified";
@@ -353,6 +375,7 @@ const char* reason_phrase(int status) noexcept {
     case 408: return "Request Timeout";
     case 413: return "Content Too Large";
     case 414: return "URI Too Long";
+    case 417: return "Expectation Failed";
     case 431: return "Request Header Fields Too Large";
     case 500: return "Internal Server Error";
     case 501: return "Not Implemented";

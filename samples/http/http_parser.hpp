@@ -13,13 +13,15 @@
 // What it accepts (RFC 9112): a request line `METHOD SP target SP HTTP/1.x`, header fields
 // `name: value` (a name is a token; the value has leading and trailing blanks removed), lines
 // ending in CRLF or a bare LF, and a body given by Content-Length or by chunked
-// Transfer-Encoding (decoded; chunk extensions and trailers are skipped). Everything else is an
-// error with the status a server should answer:
+// Transfer-Encoding (decoded; chunk extensions and trailers are skipped). An HTTP/1.1 request
+// may carry `Expect: 100-continue` (see expects_continue()); HTTP/1.0 ones have Expect ignored,
+// as RFC 9110 10.1.1 says. Everything else is an error with the status a server should answer:
 //   400  malformed request line or header, obsolete line folding, a Content-Length that is not a
 //        number or that disagrees with another, Content-Length together with Transfer-Encoding,
 //        a bad chunk, HTTP/1.1 without Host
 //   413  a body over Limits::max_body; or a chunked body whose framing (size lines,
 //        extensions) makes it take more than max_body + max_body / 4 + 64 KiB on the wire
+//   417  an HTTP/1.1 Expect field with anything but 100-continue
 //   431  the request line and headers over Limits::max_header_bytes, or more than
 //        Request::kMaxHeaders fields
 //   501  a Transfer-Encoding other than chunked
@@ -80,8 +82,18 @@ class Parser {
   Parse parse(std::string_view in, Request& req);
 
   size_t consumed() const noexcept { return consumed_; }
+  // After kIncomplete: the header is complete and asks for "100 Continue", and the body has not
+  // all arrived. On the call that completed the header (the first on which this holds), `req`
+  // holds the request line and header fields; later kIncomplete calls leave `req` alone.
+  bool expects_continue() const noexcept { return head_end_ != 0 && expect_continue_ && body_ != Body::kNone; }
   int error_status() const noexcept { return status_; }
   const char* error_reason() const noexcept { return reason_; }
+
+  // Frees the decoded-body storage that a large chunked request grew, unless a request is being
+  // received. Call it between requests, once the last request's body is no longer needed.
+  void shrink();
+  // Bytes of decoded-body storage held (its capacity), for tests of shrink().
+  size_t retained() const noexcept { return chunked_body_.capacity(); }
 
  private:
   Parse fail(int status, const char* reason) noexcept {
@@ -111,6 +123,7 @@ class Parser {
   size_t head_end_ = 0;  // just past the blank line ending the header; 0 while unknown
   Body body_ = Body::kNone;
   size_t content_length_ = 0;
+  bool expect_continue_ = false;  // an HTTP/1.1 request with Expect: 100-continue
   Chunk chunk_ = Chunk::kSize;
   size_t chunk_pos_ = 0;        // the next byte of the chunked body to look at
   size_t chunk_left_ = 0;       // bytes of the current chunk not yet copied

@@ -15,10 +15,12 @@
 // under the root (a directory serves its index.html); other paths 404, other methods 405.
 //
 // Keep-alive and pipelining: every complete request in what has been read is answered, in order,
-// into one output buffer that goes out in one write. A malformed request gets its status (400,
-// 413, 431, 501, 505; see http_parser.hpp) with "Connection: close". Timeouts are per
-// connection fiber (io::Deadline on each read and write), so a slow or stalled client holds up
-// nothing but itself.
+// into one output buffer that goes out in one write. Empty lines between requests are skipped.
+// A malformed request gets its status (400, 413, 417, 431, 501, 505; see http_parser.hpp) with
+// "Connection: close". A request with "Expect: 100-continue" gets "100 Continue" once its header
+// is in, or straight away its final 404 or 405 with "Connection: close" (no route reads a body).
+// Timeouts are per connection fiber (io::Deadline on each read and write), so a slow or stalled
+// client holds up nothing but itself.
 #include <fiber/fiber.hpp>
 
 #include <fcntl.h>
@@ -246,57 +248,106 @@ bool serve_file(fiber::net::Stream& conn, const Config& cfg, const http::Request
 
 // ------------------------------------------------------------------------------ connections
 
+constexpr std::string_view kStatic = "/static/";
+
+// The status that the method and path alone give a request: 404 for a path no route serves,
+// 405 for a method its route does not take; 0 when a route answers it. The body never matters,
+// so a request waiting to send one (Expect: 100-continue) can be refused before it does.
+int refusal(const http::Request& req) {
+  const std::string_view path = req.path();
+  if (path != "/" && path != "/hello" && path.substr(0, kStatic.size()) != kStatic) return 404;
+  return req.method == "GET" || req.method == "HEAD" ? 0 : 405;
+}
+
+void refuse(std::string& out, const http::Request& req, int status, bool keep_alive) {
+  simple_response(out, status, keep_alive, req.minor_version == 0, req.method == "HEAD", {},
+                  status == 405 ? "Allow: GET, HEAD\r\n" : "");
+}
+
 // Answers one parsed request into `out`. Returns false when the connection failed.
 bool handle(fiber::net::Stream& conn, const Config& cfg, const http::Request& req, std::string& out) {
-  const bool get = req.method == "GET", head = req.method == "HEAD";
-  const bool http10 = req.minor_version == 0;
-  const std::string_view path = req.path();
-  constexpr std::string_view kStatic = "/static/";
-  if (path == "/" || path == "/hello") {
-    if (!get && !head) {
-      simple_response(out, 405, req.keep_alive, http10, false, {}, "Allow: GET, HEAD\r\n");
-      return true;
-    }
-    start_response(out, 200, req.keep_alive, http10);
-    content_headers(out, "text/plain", 5);
-    if (get) out += "hello";
+  if (const int status = refusal(req); status != 0) {
+    refuse(out, req, status, req.keep_alive);
     return true;
   }
-  if (path.substr(0, kStatic.size()) == kStatic) {
-    if (!get && !head) {
-      simple_response(out, 405, req.keep_alive, http10, false, {}, "Allow: GET, HEAD\r\n");
-      return true;
-    }
-    return serve_file(conn, cfg, req, path.substr(kStatic.size()), out);
-  }
-  simple_response(out, 404, req.keep_alive, http10, head);
+  const std::string_view path = req.path();
+  if (path.substr(0, kStatic.size()) == kStatic) return serve_file(conn, cfg, req, path.substr(kStatic.size()), out);
+  start_response(out, 200, req.keep_alive, req.minor_version == 0);
+  content_headers(out, "text/plain", 5);
+  if (req.method == "GET") out += "hello";
   return true;
+}
+
+// The empty lines (CRLF, or a bare LF) at the start of `in`. RFC 9112 2.2 lets a client send
+// them before a request (some send CRLF after a body); they are no part of one.
+size_t empty_lines(std::string_view in) {
+  size_t n = 0;
+  for (;;) {
+    if (n < in.size() && in[n] == '\n') {
+      n += 1;
+    } else if (n + 1 < in.size() && in[n] == '\r' && in[n + 1] == '\n') {
+      n += 2;
+    } else {
+      return n;
+    }
+  }
 }
 
 // How long an error response waits for the client to read it (see sample::linger_close).
 constexpr milliseconds kLinger{2000};
+// The input buffer's usual size. A request that does not fit doubles it (the parser's limits
+// bound the growth); a buffer grown past kShrinkAbove goes back to this size once it is empty,
+// so that one large request does not keep its memory for the connection's keep-alive life.
+constexpr size_t kInputSize = 16 * 1024;
+constexpr size_t kShrinkAbove = 64 * 1024;
 
 void serve(fiber::net::Stream conn, const Config& cfg) {
   http::Parser parser;
   http::Request req;
-  std::vector<char> in(16 * 1024);
+  std::vector<char> in(kInputSize);
   size_t begin = 0, end = 0;  // unconsumed input is in[begin, end)
+  // Whether in[begin, end) holds the start of a request: anything but nothing, or a CR whose LF
+  // is still to come (the empty lines before it are dropped as they arrive, below).
+  const auto under_way = [&] { return end - begin > 1 || (end - begin == 1 && in[begin] != '\r'); };
   std::string out;
   fiber::io::Deadline request_deadline;  // set when the first byte of a request arrives
+  bool continued = false;  // the request being received has had its answer to Expect: 100-continue
   for (;;) {
     // Answer every complete request already read (pipelining), in order, into one buffer.
-    bool close_after = false, error = false;
-    const size_t begin_before = begin;
-    while (begin < end) {
+    bool answered = false, close_after = false, linger = false;
+    for (;;) {
+      // Empty lines between requests are dropped here rather than left to the parser, so that
+      // they never count as a request under way: the connection stays idle, on the idle timeout.
+      // The parser's state never covers them: begin moves only between requests, and the parser
+      // is only ever given input that starts with something else.
+      begin += empty_lines(std::string_view(in.data() + begin, end - begin));
+      if (!under_way()) break;
       const http::Parse p = parser.parse(std::string_view(in.data() + begin, end - begin), req);
-      if (p == http::Parse::kIncomplete) break;
+      if (p == http::Parse::kIncomplete) {
+        // Expect: 100-continue (RFC 9110 10.1.1): the client waits for a word before it sends
+        // the body. Once per request, as soon as the header is in: "100 Continue", or the final
+        // status if the request line alone decides it. The body is then never read, so the
+        // connection closes after it.
+        if (parser.expects_continue() && !continued) {
+          continued = true;
+          if (const int status = refusal(req); status != 0) {
+            refuse(out, req, status, false);
+            close_after = linger = true;  // a client that sends the body anyway is not reset
+          } else {
+            out += "HTTP/1.1 100 Continue\r\n\r\n";
+          }
+        }
+        break;
+      }
       if (p == http::Parse::kError) {
         simple_response(out, parser.error_status(), false, false, false,
                         std::string(http::reason_phrase(parser.error_status())) + ": " + parser.error_reason() + "\n");
-        error = close_after = true;
+        close_after = linger = true;
         break;
       }
       begin += parser.consumed();
+      answered = true;
+      continued = false;
       if (!handle(conn, cfg, req, out)) return;
       if (!req.keep_alive) {
         close_after = true;
@@ -306,23 +357,25 @@ void serve(fiber::net::Stream conn, const Config& cfg) {
       if (out.size() >= kFlushAt && !flush(conn, out, cfg.write_timeout)) return;
     }
     // A request that follows answered ones in the same read gets its own time from now.
-    if (begin != begin_before && begin < end) request_deadline = fiber::io::Deadline(cfg.request_timeout);
+    if (answered && under_way()) request_deadline = fiber::io::Deadline(cfg.request_timeout);
     if (!out.empty() && !flush(conn, out, cfg.write_timeout)) return;
     if (close_after) {
-      if (error) sample::linger_close(conn, kLinger);
+      if (linger) sample::linger_close(conn, kLinger);
       return;
     }
+    parser.shrink();  // the answered requests' bodies are no longer needed
 
     // Read more: compact, grow if a request does not fit, and wait with the right timeout.
     if (begin == end) {
       begin = end = 0;
+      if (in.size() > kShrinkAbove) std::vector<char>(kInputSize).swap(in);
     } else if (begin > 0) {
       std::memmove(in.data(), in.data() + begin, end - begin);
       end -= begin;
       begin = 0;
     }
     if (end == in.size()) in.resize(in.size() * 2);  // the parser's limits bound the growth
-    const bool partial = end > 0;
+    const bool partial = under_way();
     const ssize_t n = conn.read(in.data() + end, in.size() - end, partial ? request_deadline : fiber::io::Deadline(cfg.idle_timeout));
     if (n == -ETIMEDOUT && partial) {
       simple_response(out, 408, false, false, false);

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -141,6 +142,19 @@ std::string get_request(const std::string& path, const std::string& extra = {}) 
   return "GET " + path + " HTTP/1.1\r\nHost: test\r\n" + extra + "\r\n";
 }
 
+// Sends `request` on a new connection: the answer must be `status` with "Connection: close",
+// and the server must then close the connection (not leave it open until the read times out).
+void check_refused(uint16_t port, const std::string& request, int status) {
+  Client c(port);
+  c.send(request);
+  const auto r = c.read_response();
+  CHECK(r.status == status);
+  CHECK(contains(r.head, "Connection: close\r\n"));
+  bool timed_out = true;
+  c.read_to_eof(&timed_out);
+  CHECK_FALSE(timed_out);
+}
+
 }  // namespace
 
 TEST_SUITE("http") {
@@ -158,7 +172,29 @@ TEST_CASE("http: curl gets hello, HEAD has no body, other methods 405") {
   r = run({"curl", "-s", "-I", url(s, "/hello")});
   REQUIRE(r.status == 0);
   CHECK(contains(r.out, "HTTP/1.1 200 OK\r\n"));
-  CHECK(r.out.substr(r.out.size() - 4) == "\r\n\r\n");  // no body after the header
+  {
+    // curl -I stops reading at the header's end, so it cannot see a body sent after it. On one
+    // connection, the GET's response must start right where the HEAD's header ends, although
+    // that header gives the GET body's length.
+    Client c(s.port());
+    c.send("HEAD /hello HTTP/1.1\r\nHost: test\r\n\r\n" + get_request("/hello"));
+    std::string got;
+    size_t first_end = std::string::npos, second_end = std::string::npos;
+    while (second_end == std::string::npos || got.size() < second_end + 5) {
+      char buf[4096];
+      const ssize_t n = ::recv(c.fd(), buf, sizeof buf, 0);
+      REQUIRE_MESSAGE(n > 0, "after " << got.size() << " bytes: " << got);
+      got.append(buf, static_cast<size_t>(n));
+      first_end = got.find("\r\n\r\n");
+      if (first_end != std::string::npos) second_end = got.find("\r\n\r\n", first_end + 4);
+    }
+    const std::string head_response = got.substr(0, first_end + 4);
+    CHECK(head_response.starts_with("HTTP/1.1 200 OK\r\n"));
+    CHECK(contains(head_response, "Content-Length: 5\r\n"));
+    const std::string rest = got.substr(first_end + 4);
+    CHECK_MESSAGE(rest.starts_with("HTTP/1.1 200 OK\r\n"), "after the HEAD response's header: " << rest);
+    CHECK(rest.ends_with("\r\n\r\nhello"));
+  }
 
   r = run({"curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", "-d", "x=1", url(s, "/")});
   CHECK(r.out == "405");
@@ -218,7 +254,9 @@ TEST_CASE("http: pipelined requests are answered in order; Connection: close end
   const auto last = c.read_response();
   CHECK(last.status == 200);
   CHECK(contains(last.head, "Connection: close\r\n"));
-  CHECK(c.read_to_eof().empty());  // and the server closed
+  bool timed_out = true;
+  CHECK(c.read_to_eof(&timed_out).empty());
+  CHECK_FALSE(timed_out);  // the server closed the connection
 
   // HTTP/1.0 closes by default, keeps the connection with "Connection: keep-alive".
   Client old(s.port());
@@ -228,7 +266,9 @@ TEST_CASE("http: pipelined requests are answered in order; Connection: close end
   CHECK(contains(first.head, "HTTP/1.0 200 OK\r\n"));
   CHECK(contains(first.head, "Connection: keep-alive\r\n"));
   CHECK(old.read_response().status == 200);
-  CHECK(old.read_to_eof().empty());
+  timed_out = true;
+  CHECK(old.read_to_eof(&timed_out).empty());
+  CHECK_FALSE(timed_out);
   CHECK_CLEAN_STOP(s);
 }
 
@@ -260,20 +300,15 @@ TEST_CASE("http: malformed requests get their status and a closed connection") {
   };
   for (const auto& tc : cases) {
     CAPTURE(tc.name);
-    Client c(s.port());
-    c.send(tc.request);
-    const auto r = c.read_response();
-    CHECK(r.status == tc.status);
-    CHECK(contains(r.head, "Connection: close\r\n"));
-    bool timed_out = true;
-    c.read_to_eof(&timed_out);
-    CHECK_FALSE(timed_out);  // the server closed the connection
+    check_refused(s.port(), tc.request, tc.status);
   }
   // A good request after a bad one on the same connection is not answered; on a new one it is.
   Client c(s.port());
   c.send("BAD\r\n\r\n" + get_request("/"));
   CHECK(c.read_response().status == 400);
-  CHECK(c.read_to_eof().empty());
+  bool timed_out = true;
+  CHECK(c.read_to_eof(&timed_out).empty());
+  CHECK_FALSE(timed_out);
   Client fine(s.port());
   fine.send(get_request("/"));
   CHECK(fine.read_response().body == "hello");
@@ -283,7 +318,9 @@ TEST_CASE("http: malformed requests get their status and a closed connection") {
   const auto r10 = old.read_response();
   CHECK(r10.status == 405);
   CHECK(contains(r10.head, "Connection: close\r\n"));
-  CHECK(old.read_to_eof().empty());
+  timed_out = true;
+  CHECK(old.read_to_eof(&timed_out).empty());
+  CHECK_FALSE(timed_out);
   // A chunked request body is decoded (the route then refuses the method).
   fine.send("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n" + get_request("/"));
   CHECK(fine.read_response().status == 405);
@@ -326,6 +363,100 @@ TEST_CASE("http: a request not finished in time gets 408; an idle connection is 
   timed_out = true;
   CHECK(idle.read_to_eof(&timed_out).empty());
   CHECK_FALSE(timed_out);
+  CHECK_CLEAN_STOP(s);
+}
+
+TEST_CASE("http: empty lines after a request leave the connection idle, not in a request") {
+  // A request timeout far below the idle one: were the empty lines taken for the start of a
+  // request, a 408 would come after 300 ms.
+  Server s = Server::start(SERVER_BIN, {"0", "--request-timeout", "300", "--idle-timeout", "600000"});
+  // Whether nothing arrives (no response, no close) for a few request timeouts.
+  auto quiet = [](Client& c) {
+    pollfd p{c.fd(), POLLIN, 0};
+    return ::poll(&p, 1, static_cast<int>(scaled(std::chrono::milliseconds(1500)).count())) == 0;
+  };
+  struct Case {
+    const char* name;
+    std::string with_request;  // sent right after the first request, in the same write
+    std::string after;         // sent once its response has come
+    std::string before_next;   // sent just before the next request, in the same write
+  };
+  const Case cases[] = {
+      {"CRLF with the request", "\r\n", "", ""},
+      {"CRLF, LF and CRLF after the response", "", "\r\n\n\r\n", ""},
+      {"a CR whose LF comes with the next request", "", "\r", "\n"},
+  };
+  for (const Case& tc : cases) {
+    INFO(tc.name);
+    Client c(s.port());
+    c.send(get_request("/") + tc.with_request);
+    CHECK(c.read_response().body == "hello");
+    if (!tc.after.empty()) c.send(tc.after);
+    CHECK_MESSAGE(quiet(c), "the idle connection got: " << c.read_response().head);
+    c.send(tc.before_next + get_request("/hello"));
+    CHECK(c.read_response().body == "hello");
+  }
+  CHECK_CLEAN_STOP(s);
+}
+
+TEST_CASE("http: Expect: 100-continue gets 100 Continue or the final status at once; other expectations 417") {
+  Server s = Server::start(SERVER_BIN, {"0"});
+  const std::string body_wanted = "Content-Length: 5\r\n\r\n";
+  {
+    // A request a route takes: "100 Continue" once the header is in, the response after the
+    // body; and so for each request on the connection.
+    Client c(s.port());
+    for (const char* expect : {"Expect: 100-continue\r\n", "eXpEcT: 100-CONTINUE\r\n"}) {
+      INFO(expect);
+      c.send("GET / HTTP/1.1\r\nHost: a\r\n" + std::string(expect) + body_wanted);
+      const auto interim = c.read_response();
+      CHECK_MESSAGE(interim.head == "HTTP/1.1 100 Continue\r\n\r\n", interim.head);
+      c.send("abcde");
+      const auto r = c.read_response();
+      CHECK(r.status == 200);
+      CHECK(r.body == "hello");
+    }
+    // With the body already there, and without Expect: no 100.
+    c.send("GET / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n" + body_wanted + "abcde" + get_request("/"));
+    CHECK(c.read_response().status == 200);
+    CHECK(c.read_response().status == 200);
+  }
+  struct Refused {
+    const char* name;
+    std::string request;
+    int status;
+  };
+  const Refused refused[] = {
+      // The request line alone decides: answered without waiting for the body, then closed.
+      {"method not allowed", "POST / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n" + body_wanted, 405},
+      {"no such path", "PUT /nowhere HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n" + body_wanted, 404},
+      {"body too large", "GET / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 99999999\r\n\r\n", 413},
+      {"another expectation", "GET / HTTP/1.1\r\nHost: a\r\nExpect: 200-ok\r\n\r\n", 417},
+      {"100-continue among others", "GET / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue, x\r\n\r\n", 417},
+  };
+  for (const Refused& tc : refused) {
+    INFO(tc.name);
+    check_refused(s.port(), tc.request, tc.status);
+  }
+  {
+    // HTTP/1.0 had no Expect: it is ignored (RFC 9110 10.1.1).
+    Client old(s.port());
+    old.send("GET / HTTP/1.0\r\nExpect: 200-ok\r\n\r\n");
+    CHECK(old.read_response().status == 200);
+  }
+  // curl waits for the 100 (here up to 20 s; by default 1 s, then sends the body anyway).
+  require_program("curl");
+  const fs::path upload = fs::temp_directory_path() / ("libfiber-http-upload-" + std::to_string(::getpid()));
+  std::ofstream(upload, std::ios::binary) << std::string(100'000, 'u');
+  auto r = run({"curl", "-sS", "-v", "-X", "GET", "--data-binary", "@" + upload.string(), "-H", "Expect: 100-continue",
+                "--expect100-timeout", "20", url(s, "/")});
+  CHECK(r.status == 0);
+  CHECK(r.out == "hello");
+  CHECK_MESSAGE(contains(r.err, "HTTP/1.1 100 Continue"), r.err);
+  r = run({"curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--data-binary", "@" + upload.string(), "-H",
+           "Expect: 100-continue", "--expect100-timeout", "20", url(s, "/")});
+  CHECK(r.out == "405");
+  fs::remove(upload);
   CHECK_CLEAN_STOP(s);
 }
 
@@ -443,6 +574,33 @@ TEST_CASE("http parser: a request split anywhere parses as it does whole") {
     CHECK(bodies == std::vector<std::string>{"wikipedia", "abc"});
     CHECK(start == stream.size());
   }
+}
+
+TEST_CASE("http parser: a large chunked body's storage is freed between requests, never during one") {
+  http::Parser parser;
+  http::Request req;
+  const std::string data(200'000, 'd');
+  char size_line[32];
+  std::snprintf(size_line, sizeof size_line, "%zx\r\n", data.size());
+  const std::string stream =
+      "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n" + std::string(size_line) + data + "\r\n0\r\n\r\n";
+  // Halfway through the body shrink() keeps what has been decoded.
+  const std::string half = stream.substr(0, stream.size() / 2);
+  REQUIRE(parser.parse(half, req) == http::Parse::kIncomplete);
+  parser.shrink();
+  REQUIRE(parser.parse(stream, req) == http::Parse::kComplete);
+  CHECK(req.body == data);
+  CHECK(parser.retained() >= data.size());
+  // Between requests it lets go.
+  parser.shrink();
+  CHECK(parser.retained() <= 64 * 1024);
+  // A small body's storage stays for the next request.
+  const std::string small = "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n";
+  REQUIRE(parser.parse(small, req) == http::Parse::kComplete);
+  CHECK(req.body == "hello");
+  const size_t kept = parser.retained();
+  parser.shrink();
+  CHECK(parser.retained() == kept);
 }
 
 }  // TEST_SUITE
