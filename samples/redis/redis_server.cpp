@@ -57,8 +57,9 @@ using redis::Store;
 // ---- commands ----
 
 // What a command needs: the key space, the time the batch started (one clock read per batch
-// rather than per command; Redis too uses one time per command for all its keys), the reply
-// buffer, and whether the connection should close after the replies are sent.
+// rather than per command; Redis too uses one time per command for all its keys; read again
+// after a flush within the batch, which can block), the reply buffer, and whether the
+// connection should close after the replies are sent.
 struct Context {
   Store& store;
   int64_t now;
@@ -443,7 +444,12 @@ void serve(fiber::net::Stream conn, Store& store) {
       in.consume(parser.consumed());
       wanted = 0;
       if (ctx.close) break;
-      if (out.size() >= kFlushAt && !flush(conn, out)) return;
+      if (out.size() >= kFlushAt) {
+        if (!flush(conn, out)) return;
+        // The write may have waited on a slow reader for longer than a TTL: the commands after
+        // it must not reckon expiry from a time already past.
+        ctx.now = redis::now_ms();
+      }
     }
     if (!flush(conn, out)) return;
     if (failed || ctx.close) return sample::linger_close(conn, std::chrono::milliseconds(500));
