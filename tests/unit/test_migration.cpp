@@ -451,3 +451,52 @@ TEST_CASE("migration: waking pinned fibers from a plain thread does not stop idl
     quiesce(s);
   });
 }
+
+TEST_CASE("migration: a pinned fiber's yields stay off the stealable queue; nobody is woken for them") {
+  // A fiber pinned here that yielded went to the ring while another processor slept: that one
+  // was woken to steal it, found it pinned elsewhere and sent it back through the inbox - a
+  // thread wake, a steal and a locked inbox push per switch, for nothing. Fibers pinned to a
+  // processor now wait in a queue of its own that no thief sees, and nobody is woken for them.
+  for_each_proc_count(
+      [](fiber::Scheduler& s, int) {
+        constexpr int kYields = 10'000;
+        struct Counts {
+          std::uint64_t steals = 0, wakeups = 0;
+          bool moved = false;
+        };
+        // Two fibers pinned to one processor, yielding to each other (a lone fiber's yield with
+        // nothing else to run queues nothing).
+        const Counts c = fiber::spawn({.scheduler = &s}, [&s] {
+          fiber::this_fiber::PinGuard pin;
+          const pid_t tid = os_tid();
+          std::atomic<bool> partner_pinned{false};
+          // Spawned here into the LIFO slot, which no thief takes: it runs here, and pins here.
+          auto partner = fiber::spawn([&partner_pinned, tid] {
+            fiber::this_fiber::PinGuard pin;
+            bool moved = false;
+            partner_pinned = true;
+            for (int i = 0; i < kYields; ++i) {
+              fiber::this_fiber::yield();
+              moved |= os_tid() != tid;
+            }
+            return moved;
+          });
+          while (!partner_pinned) fiber::this_fiber::yield();
+          const fiber::SchedulerStats before = s.stats();
+          Counts r;
+          for (int i = 0; i < kYields; ++i) {
+            fiber::this_fiber::yield();
+            r.moved |= os_tid() != tid;
+          }
+          const fiber::SchedulerStats after = s.stats();
+          r.moved |= partner.join();
+          r.steals = after.steals - before.steals;
+          r.wakeups = after.wakeups - before.wakeups;
+          return r;
+        }).join();
+        CHECK_FALSE(c.moved);
+        CHECK_MESSAGE(c.steals < 50, c.steals << " steals during " << kYields << " yields of a pinned fiber");
+        CHECK_MESSAGE(c.wakeups < 50, c.wakeups << " wakeups during " << kYields << " yields of a pinned fiber");
+      },
+      {2, 4});
+}

@@ -423,11 +423,22 @@ void Processor::settle_group_debt_now() noexcept {
   debt_group_->done(n);  // may wake the group's waiter, here or elsewhere
 }
 
+inline bool Processor::queue_back(Fiber* f) noexcept {
+  if (f->pinned == this) [[unlikely]] {
+    f->next = nullptr;
+    if (pinned_tail_) pinned_tail_->next = f; else pinned_head_ = f;
+    pinned_tail_ = f;
+    ++pinned_len_;
+    return false;
+  }
+  queue_.push_back_or_overflow(f, sched_.injector());
+  return true;
+}
+
 void Processor::schedule_local(Fiber* f) noexcept {
   Fiber* prev = lifo_.exchange(f);
   if (prev == nullptr) return;  // the LIFO slot is not stealable: no one to tell
-  queue_.push_back_or_overflow(prev, sched_.injector());
-  if (sched_.idle().should_wake()) sched_.notify_parked();
+  if (queue_back(prev) && sched_.idle().should_wake()) sched_.notify_parked();
 }
 
 // A fiber that yielded goes behind the fibers queued now. While every processor is busy, none
@@ -439,7 +450,7 @@ void Processor::schedule_local(Fiber* f) noexcept {
 void Processor::schedule_yielded(Fiber* f) noexcept {
   if (!yielded_.occupied_for_owner() && sched_.idle().all_busy()) {
     // Each later pick ticks once: the queued fibers take the next len() ticks, then it is due.
-    yielded_due_ = tick_ + queue_.len() + 1;
+    yielded_due_ = tick_ + queue_.len() + pinned_len_ + 1;
     yielded_.put(f);
     return;
   }
@@ -447,8 +458,7 @@ void Processor::schedule_yielded(Fiber* f) noexcept {
 }
 
 void Processor::schedule_yield(Fiber* f) noexcept {
-  queue_.push_back_or_overflow(f, sched_.injector());
-  if (sched_.idle().should_wake()) sched_.notify_parked();
+  if (queue_back(f) && sched_.idle().should_wake()) sched_.notify_parked();
 }
 
 void Processor::push_inbox(Fiber* f) noexcept {
@@ -492,7 +502,7 @@ Fiber* Processor::take_lifo() noexcept { return lifo_.take(); }
 Fiber* Processor::steal_lifo() noexcept { return lifo_.steal(); }
 
 bool Processor::has_local_work() const noexcept {
-  return lifo_.occupied() || queue_.has_tasks() || yielded_.occupied() ||
+  return lifo_.occupied() || queue_.has_tasks() || yielded_.occupied() || pinned_head_ != nullptr ||
          inbox_nonempty_.load(std::memory_order_acquire);
 }
 
@@ -504,7 +514,7 @@ Fiber* Processor::next_local() noexcept {
     }
   } else if (Fiber* f = take_lifo()) {
     // A ping-ponging pair must not starve the queue: the LIFO fiber goes to the back.
-    queue_.push_back_or_overflow(f, sched_.injector());
+    queue_back(f);
   }
   lifo_in_a_row_ = 0;
   // The injector once due: at the first pick not taken from the LIFO slot after kGlobalInterval
@@ -597,7 +607,7 @@ bool Processor::maintenance() noexcept {
         ++lifo_in_a_row_;
         return f;
       }
-    } else if (!queue_.has_tasks() && !yielded_.occupied_for_owner()) {
+    } else if (!queue_.has_tasks() && !yielded_.occupied_for_owner() && pinned_head_ == nullptr) {
       // Past the LIFO limit with nobody queued to starve (the yield slot's fiber counts as
       // queued): next_local() would move the LIFO fiber to the back of the empty ring and pop
       // it again (a push and a CAS for a ping-pong pair every fourth switch). Take it as that

@@ -198,10 +198,23 @@ class Processor {
   // The queue's pick, the yield slot being the queue's tail: its fiber once the fibers queued
   // ahead of it when it yielded have had their picks (yielded_due_), else the ring's head,
   // else the slot's fiber anyway.
+  // Fibers pinned here wait in their own queue (queue_back): taken every other pick while it
+  // has any, and whenever the ring is empty.
   Fiber* take_queued() noexcept {
     if (yielded_.occupied_for_owner() && static_cast<int32_t>(tick_ - yielded_due_) >= 0) return yielded_.take();
+    if (pinned_head_ != nullptr && ((tick_ & 1) != 0 || !queue_.has_tasks())) [[unlikely]] return take_pinned();
     if (Fiber* f = pop_queue()) return f;
     return yielded_.take();
+  }
+  // To the back of the queue: the ring, or the pinned queue for a fiber pinned here. True when
+  // it went to the ring, where another processor may take it (the caller may wake one).
+  bool queue_back(Fiber* f) noexcept;
+  Fiber* take_pinned() noexcept {
+    Fiber* f = pinned_head_;
+    pinned_head_ = f->next;
+    if (pinned_head_ == nullptr) pinned_tail_ = nullptr;
+    --pinned_len_;
+    return f;
   }
   // kGlobalInterval picks have passed since next_local() last read the injector first.
   bool injector_due() const noexcept { return tick_ - last_injector_tick_ >= kGlobalInterval; }
@@ -244,6 +257,13 @@ class Processor {
   uint32_t last_injector_tick_ = 0;  // tick_ when next_local() last read the injector first
   uint32_t lifo_in_a_row_ = 0;
   uint32_t yielded_due_ = 0;  // the tick from which the yield slot's fiber goes before the queue
+  // Runnable fibers pinned to this processor (yielded, woken here, back from the inbox), in
+  // order, linked through Fiber::next. In the ring a thief would take one, find it pinned
+  // elsewhere and send it back through the inbox: a wake, a steal and a locked push for
+  // nothing. No thief sees this queue, and nobody is woken for what only we may run.
+  Fiber* pinned_head_ = nullptr;
+  Fiber* pinned_tail_ = nullptr;
+  uint32_t pinned_len_ = 0;  // counted among the fibers queued ahead of a yield (yielded_due_)
   bool searching_ = false;  // mirrors our share of Idle's searching count
   bool retired_ = false;    // try_retire() succeeded: leave the loop
   uint32_t rng_;            // victim selection
