@@ -11,6 +11,9 @@
 //   Parking  --unpark-->            Notified   (a waker that came before the switch finished)
 //   Notified --after the switch-->  Runnable   (the context it switched to, which enqueues it)
 //   Parked   --unpark-->            Runnable   (the waker, which enqueues it)
+//   Notified --no switch-->         Running    (itself: woken before park_current switched)
+//   Parking  --own claim-->         Running    (itself: it claimed its own wait - abandoned,
+//                                               or already cancelled - so nobody will wake it)
 //   Running  --return-->            Finished   (itself; stack freed after the switch away)
 //
 // So a fiber becomes runnable only once its stack is no longer in use (invariant 1): the step
@@ -105,7 +108,7 @@ struct Fiber {
   bool has_task : 1 = false;  // task() is constructed: from fiber_submit until destroy_fiber
   bool joinable : 1 = false;  // a JoinHandle's wait record follows the Fiber (join_waiter())
   bool foreign_spawn : 1 = false;  // counted in its scheduler's foreign_spawns_ until submitted
-  Fiber* next = nullptr;  // intrusive link: injector, inbox, overflow batches. Owned by the holder.
+  Fiber* next = nullptr;  // intrusive link: a processor's inbox or pinned queue. Owned by the holder.
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
   Stack stack;  // empty until first run; written only while the fiber does not run
   SchedulerImpl* sched = nullptr;

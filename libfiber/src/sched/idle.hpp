@@ -2,9 +2,14 @@
 // search for work, and whom a new fiber wakes. See libfiber/README.md, "Idle processors".
 //
 // Rules:
-//   - At most half the processors search (steal) at once; more would only fight over queues.
-//   - Making work available (a spawn, a wake, an overflow) wakes one sleeper, and only when no
-//     processor is searching and not every processor is already awake: a searcher will find it.
+//   - At most half the processors (rounded up, as Tokio) search (steal) at once; more would
+//     only fight over queues. A processor woken for work (processor_to_notify, wake_by_id)
+//     searches without that check: it was woken to look.
+//   - Making work available where another processor can take it (the ring, the injector, an
+//     inbox) wakes one sleeper, and only when no processor is searching and not every
+//     processor is already awake: a searcher will find it. A fiber put in an empty LIFO slot,
+//     or in the pinned queue, wakes nobody (as in Tokio): only this processor can run it, at
+//     its next switch (the watchdog moves a LIFO fiber held up by a fiber that does not switch).
 //   - A searcher that finds work stops searching; if it was the last searcher it wakes another
 //     sleeper to take over the search (the work it found may have come with more).
 //   - The last searcher to park re-checks every queue before it sleeps, so work published while
@@ -181,15 +186,6 @@ class Idle {
   bool is_parked(uint32_t id) const {
     std::lock_guard lock(mu_);
     return std::find(sleepers_.begin(), sleepers_.end(), id) != sleepers_.end();
-  }
-
-  // Every sleeper, for shutdown. Each counts as unparked.
-  std::vector<uint32_t> take_all_sleepers() {
-    std::lock_guard lock(mu_);
-    std::vector<uint32_t> all;
-    all.swap(sleepers_);
-    counts_.fetch_add(IdleCounts::kUnparkOne * static_cast<uint32_t>(all.size()), std::memory_order_seq_cst);
-    return all;
   }
 
  private:

@@ -24,6 +24,8 @@ class Injector {
   // a pusher stores the length and then reads the idle counts, a parker updates the counts and
   // then reads the length, and one of the two must see the other - which store-then-load
   // pairs guarantee only when all four are seq_cst. (On x86 the loads cost nothing extra.)
+  // The push's store is seq_cst; a pop's store (a shorter length) is a release: no waker
+  // depends on seeing it, and any length a parker reads reflects a push ordered before it.
   bool empty() const noexcept { return len_.load(std::memory_order_seq_cst) == 0; }
   std::size_t len() const noexcept { return len_.load(std::memory_order_seq_cst); }
 

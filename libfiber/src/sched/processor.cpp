@@ -80,6 +80,16 @@ void Processor::start() {
   std::exception_ptr error;
   retired_ = false;  // the thread is not running: nobody else reads it now
   life_.store(Life::Running, std::memory_order_release);
+  // Should the thread not start (EAGAIN: a thread or pid limit), the processor is Stopped
+  // again: left Running, the monitor would take it for a live one and never restart it for a
+  // pinned fiber waiting in its inbox.
+  struct StoppedUnlessStarted {
+    std::atomic<Life>& life;
+    bool started = false;
+    ~StoppedUnlessStarted() {
+      if (!started) life.store(Life::Stopped, std::memory_order_release);
+    }
+  } guard{life_};
   thread_ = std::thread([&] {
     bool ok = true;
     try {
@@ -99,6 +109,7 @@ void Processor::start() {
     }
     if (ok) thread_main();
   });
+  guard.started = true;  // from here on the thread's own failure path below applies
   std::unique_lock lock(mu);
   cv.wait(lock, [&] { return ready; });
   if (error) {
