@@ -66,6 +66,7 @@ COMMANDS=(
   -ex "echo @@count\n" -ex "fiber bt $ALPHA 2 -frame-arguments none"
   -ex "echo @@thread-bt\n" -ex "bt"
   -ex "echo @@all\n" -ex "fiber bt all"
+  -ex "echo @@current\n" -ex "python print('current:', *[fi.id for fi in all_fibers() if fi.is_current])"
   -ex "echo @@below-inline\n" -ex "set \$fiber_id = $ALPHA" -x "$HERE/below_inline.py"
   -ex "echo @@end\n"
 )
@@ -128,6 +129,9 @@ check_output() {  # check_output WHAT FILE
   expect "$what" "$f" all "sleep_in_beta"
   expect "$what" "$f" all "join_in_gamma"
   expect "$what" "$f" all "fiber #$DELTA is running"
+  # The fibers that are their processor's current one: the running one, not the parked ones.
+  expect "$what" "$f" current "^current:( [0-9]+)* $DELTA( |$)"
+  reject "$what" "$f" current " ($ALPHA|$BETA|$GAMMA)( |$)"
   # Unwinding from a normal (not inline) top frame, see below_inline.py.
   expect "$what" "$f" below-inline "^#0  0x[0-9a-f]+ in fiber::detail::Processor::park_current"
   expect "$what" "$f" below-inline "^#[0-9]+ .*park_here_alpha"

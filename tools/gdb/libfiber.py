@@ -234,6 +234,15 @@ class FiberInfo:
         stack = f["stack"]
         self.stack_lo = _uint(stack["lo"])
         self.stack_size = int(stack["size"])
+        # Still its processor's current fiber although no longer "running": a yield (or a move)
+        # marks it runnable before it switches, so a core taken then - an abort on a stack
+        # overflow found at that switch, say - has a saved context from its previous switch.
+        self.is_current = False
+        if self.processor is not None:
+            try:
+                self.is_current = _uint(_atomic(self.processor["current_"])) == _uint(f)
+            except (gdb.error, gdb.MemoryError):
+                pass
 
     @property
     def started(self):
@@ -262,6 +271,13 @@ class FiberInfo:
                 if tid:
                     where += ", LWP %d" % tid
             return "fiber #%d is running (%s): its saved context is stale; use %s" % (self.id, where, hint)
+        if self.is_current:
+            t, tid = self.running_thread()
+            where = "processor P%d" % self.processor_index
+            if t is not None:
+                where += ", gdb thread %d" % t.num
+            return ("fiber #%d is %s but still the current fiber of %s (caught in a switch): its saved "
+                    "context may be stale; see that thread's backtrace" % (self.id, self.state, where))
         if not self.started or self.ctx == 0:
             return "fiber #%d has not started yet: there is no stack to show" % self.id
         if self.state in ("parking", "notified"):
