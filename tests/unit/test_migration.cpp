@@ -141,6 +141,10 @@ class Waker {
   std::thread thread_;
 };
 
+struct TaggedValue {
+  int value;
+};
+
 struct Observed {
   int iterations = 0;
   int changes = 0;          // resumed on a different thread than before
@@ -257,6 +261,59 @@ TEST_CASE("migration: errno survives switches and migrations, per fiber") {
     CHECK_MESSAGE(changes > 0, "no migration happened, so errno was never carried across threads");
     churn.stop();
     quiesce(s);
+  });
+}
+
+// The C++ runtime keeps the exceptions being handled (a catch block's, for `throw;` and
+// std::current_exception) and std::uncaught_exceptions() per thread. A fiber that switches
+// inside a catch block, or while unwinding, must find its own on whatever thread resumes it, and
+// must not see or disturb another fiber's: without the switch carrying them, fibers that catch
+// on one thread popped each other's exceptions (leaked under ASan, a wrong `throw;` otherwise).
+TEST_CASE("migration: exceptions being handled, and uncaught_exceptions(), are per fiber") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kFibers = 8;
+    constexpr int kRounds = 200;
+    std::vector<fiber::JoinHandle<int>> hs;
+    for (int f = 0; f < kFibers; ++f) {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [f] {
+        int wrong = 0;
+        for (int i = 0; i < kRounds; ++i) {
+          const int mine = f * 100'000 + i;
+          try {
+            throw TaggedValue{mine};
+          } catch (const TaggedValue&) {
+            fiber::this_fiber::yield();  // others catch and rethrow meanwhile, here or elsewhere
+            try {
+              throw;  // must rethrow this fiber's exception
+            } catch (const TaggedValue& again) {
+              wrong += again.value != mine;
+            }
+            wrong += std::uncaught_exceptions() != 0;
+          }
+          // Unwinding through a destructor that switches: uncaught_exceptions() is 1 in it, and
+          // 0 again for every other fiber meanwhile.
+          try {
+            struct SwitchesInDestructor {
+              int* wrong;
+              int unwinding;  // 1 while an exception passes through, else 0
+              ~SwitchesInDestructor() {
+                *wrong += std::uncaught_exceptions() != unwinding;
+                fiber::this_fiber::yield();
+                *wrong += std::uncaught_exceptions() != unwinding;
+              }
+            } guard{&wrong, i % 2 == 0 ? 1 : 0};
+            if (i % 2 == 0) throw TaggedValue{mine};
+            wrong += std::uncaught_exceptions() != 0;
+          } catch (const TaggedValue& e) {
+            wrong += e.value != mine;
+          }
+          if (i % 2 == 1) fiber::this_fiber::yield();
+          wrong += std::uncaught_exceptions() != 0;
+        }
+        return wrong;
+      }));
+    }
+    for (int f = 0; f < kFibers; ++f) CHECK_MESSAGE(hs[f].join() == 0, "fiber " << f);
   });
 }
 

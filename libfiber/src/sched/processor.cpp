@@ -14,6 +14,7 @@
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <cxxabi.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -145,6 +146,8 @@ void remove_overflow_altstack(void* mem) noexcept;
 void Processor::thread_main() {
   set_current_processor(this);
   errno_ = &errno;
+  // Like __errno_location(), __cxa_get_globals() is declared `const`: read once per thread.
+  eh_ = reinterpret_cast<EhGlobals*>(abi::__cxa_get_globals());
   void* altstack = install_overflow_handler_on_this_thread();
   loop_.san.on_thread();
   const std::string tname = (sched_.name() + "-P" + std::to_string(index_)).substr(0, 15);
@@ -212,11 +215,14 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   // errno belongs to the fiber: saved here, restored on whichever thread resumes us. Through
   // each processor's cached errno address, not `errno`: glibc declares __errno_location()
   // `const`, so the compiler could reuse the old thread's address after the jump.
+  // The exceptions being handled, and uncaught_exceptions(), are the fiber's too (EhGlobals).
   const int saved_errno = *p->errno_;
+  const EhGlobals saved_eh = *p->eh_;
   Transfer t = jump(to->ctx, from->san, to->san, &msg);
   // Resumed, possibly on another thread: everything below uses the processor from the message.
   Processor* now = complete_switch(t);
   *now->errno_ = saved_errno;
+  *now->eh_ = saved_eh;
   return now;
 }
 
@@ -272,7 +278,8 @@ FIBER_TSAN_UNINSTRUMENTED void Processor::fiber_main(Transfer t) noexcept {
 // frame, on the dying stack, until the side switched to has copied it (complete_switch).
 Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
-  complete_switch(t);
+  Processor* first = complete_switch(t);
+  *first->eh_ = EhGlobals{};  // not the switcher's: a new fiber handles no exception yet
   run_task(self);
   complete_fiber(self);  // counts the finish
   self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running

@@ -42,6 +42,20 @@ namespace fiber::detail {
 class SchedulerImpl;
 using RunQueue = LocalQueue<Fiber, 256>;
 
+// The C++ runtime's per-thread exception state: the exceptions being handled (what `throw;` and
+// std::current_exception() see, innermost first) and the count std::uncaught_exceptions()
+// returns. It is libstdc++'s and libc++abi's __cxa_eh_globals, whose layout is part of the
+// Itanium C++ ABI on x86-64 and AArch64 (ARM EABI adds fields). A fiber that switches inside a
+// catch block or while unwinding owns its part of it, so switch_to carries it, as it does
+// errno: otherwise fibers catching on one thread pop each other's exceptions.
+struct EhGlobals {
+  void* caught_exceptions;
+  unsigned int uncaught_exceptions;
+};
+#if defined(__ARM_EABI_UNWINDER__)
+#error "EhGlobals mirrors the Itanium ABI's __cxa_eh_globals; ARM EABI's has more fields"
+#endif
+
 class Processor {
  public:
   // Tuning (Tokio's defaults, rounded to powers of two for cheap masks).
@@ -252,6 +266,7 @@ class Processor {
   // ---- owner-only state
   alignas(64) Fiber loop_;  // this thread's own stack as a switch target
   int* errno_ = nullptr;    // this thread's errno (switch_to saves and restores it per fiber)
+  EhGlobals* eh_ = nullptr;  // this thread's exception state (likewise: see EhGlobals)
   RunQueue queue_;
   uint32_t tick_ = 0;
   uint32_t last_injector_tick_ = 0;  // tick_ when next_local() last read the injector first
