@@ -10,6 +10,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -132,6 +133,36 @@ TEST_CASE("select: closed channels - a receive case is ready (out reset), a send
   CHECK(x == 4);
   CHECK(fiber::select(fiber::recv_case(d, x)) == 0);
   CHECK_FALSE(x);
+}
+
+TEST_CASE("select: a receive case's channel may be destroyed as soon as its close() returns") {
+  // The woken select reset its out slot through the channel after the wake, so a closer that
+  // destroyed its channel right after close() had it read freed memory (seen under ASan).
+  // close() now resets the slot before the wake; a select that wakes touches no closed channel.
+  std::size_t select_reason = 0;
+  while (select_reason < fiber::kParkReasons && std::string(fiber::park_reason_name(select_reason)) != "select") {
+    ++select_reason;
+  }
+  REQUIRE(select_reason < fiber::kParkReasons);
+  for_each_proc_count([select_reason](fiber::Scheduler& s, int) {
+    const auto select_parks = [&] { return s.stats().parks[select_reason]; };
+    for (int round = 0; round < (kSanitized ? 50 : 200); ++round) {
+      auto doomed = std::make_unique<fiber::Channel<std::string>>();
+      fiber::Channel<std::string>* ch = doomed.get();
+      fiber::Channel<int> other;
+      const std::uint64_t parked_before = select_parks();
+      auto h = fiber::spawn({.scheduler = &s}, [ch, &other] {
+        std::optional<std::string> got = std::string(64, 'x');  // a stale value, reset on close
+        std::optional<int> never;
+        const std::size_t i = fiber::select(fiber::recv_case(other, never), fiber::recv_case(*ch, got));
+        return i == 1 && !got.has_value() && !never.has_value();
+      });
+      REQUIRE(wait_for([&] { return select_parks() > parked_before; }));
+      doomed->close();
+      doomed.reset();  // at once: the select may not have run yet
+      CHECK(h.join());
+    }
+  });
 }
 
 TEST_CASE("select: a blocked select is completed by fibers and threads, across schedulers") {

@@ -172,7 +172,7 @@ ChanStatus ChanBase::recv(void* dst, Wait wait, Deadline deadline) {
 }
 
 void ChanBase::close() {
-  ChanQueue woken;  // claimed under the lock, woken after it
+  ChanQueue receivers, senders;  // claimed under the lock, woken after it
   {
     std::lock_guard lock(mu_);
     if (closed_) throw_closed("fiber::Channel::close: the channel is already closed");
@@ -183,12 +183,20 @@ void ChanBase::close() {
       while (ChanNode* n = q->pop_front()) {
         if (waiter_claim(*n->waiter, WakeReason::Notified)) {
           n->waiter->tag = n->index | kChanClosedTag;
-          woken.push_back(n);
+          (q == &recvq_ ? receivers : senders).push_back(n);
         }
       }
     }
   }
-  while (ChanNode* n = woken.pop_front()) waiter_wake(*n->waiter);
+  // A receiver's slot gets "no value" before its wake, as a value would be moved in: once woken
+  // it never touches the channel again, which the closer may destroy once close() returns.
+  // (select used to reset it after the wake, through the channel.) Outside the lock: an old
+  // value's destructor may do anything.
+  while (ChanNode* n = receivers.pop_front()) {
+    reset_slot(n->slot);
+    waiter_wake(*n->waiter);
+  }
+  while (ChanNode* n = senders.pop_front()) waiter_wake(*n->waiter);
 }
 
 }  // namespace fiber::detail

@@ -136,9 +136,9 @@ std::size_t select_impl(SelectCase* cases, ChanNode* nodes, std::uint32_t* scrat
   }
   if (r == WakeReason::Cancelled) throw Cancelled();
   if (r == WakeReason::Timeout) return n;
-  if (w.tag & kChanClosedTag) {
-    if (cases[chosen].send) ChanBase::throw_closed("fiber::select: the channel of a send case was closed while select waited");
-    cases[chosen].ch->reset_slot(cases[chosen].slot);
+  // A receive case closed while we waited had its slot reset by close(): the channel may be gone.
+  if ((w.tag & kChanClosedTag) && cases[chosen].send) {
+    ChanBase::throw_closed("fiber::select: the channel of a send case was closed while select waited");
   }
   return chosen;
 }
