@@ -497,7 +497,13 @@ TEST_CASE("spawn: an unhandled-exception handler that blocks keeps its fiber ali
   fiber::Channel<unsigned long long> reports;  // nobody receives until the end
   g_report_channel = &reports;
   g_blocking_handler_entered = 0;
-  const auto previous = fiber::set_unhandled_exception_handler(&blocking_handler);
+  struct Restore {  // also when a REQUIRE below ends the test early
+    fiber::UnhandledExceptionHandler previous = fiber::set_unhandled_exception_handler(&blocking_handler);
+    ~Restore() {
+      fiber::set_unhandled_exception_handler(previous);
+      g_report_channel = nullptr;
+    }
+  } restore;
   with_watchdog(20'000ms, "stop() with a blocked handler", [] {
     fiber::Scheduler s({.processors = 2, .name = "handler"});
     std::atomic<bool> block_on_returned{false};
@@ -513,9 +519,7 @@ TEST_CASE("spawn: an unhandled-exception handler that blocks keeps its fiber ali
     CHECK(block_on_returned.load());
     CHECK(s.live_fibers() == 0);
   });
-  fiber::set_unhandled_exception_handler(previous);
   CHECK_FALSE(static_cast<bool>(reports.try_recv()));  // the cancelled send delivered nothing
-  g_report_channel = nullptr;
 }
 
 TEST_CASE("JoinHandle: concurrent waits on one handle each return or say busy; the winner is woken") {

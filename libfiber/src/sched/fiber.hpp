@@ -127,7 +127,8 @@ struct Fiber {
   uint16_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
   SanitizerStack san;  // here, not last: in release builds it fills what would be padding
   // ---- join: 0 (running, nobody waits), kJoinArming (a waiter has taken the record and is
-  // writing it), kJoinWaiting (join_waiter() is armed), kJoinFinished, kJoinDetached. Only the
+  // writing it), kJoinWaiting (join_waiter() is armed), kJoinFinishing (complete_fiber has
+  // taken the word: counted finished, then kJoinFinished), kJoinFinished, kJoinDetached. Only the
   // waiter that moved the word 0 -> kJoinArming writes the record: a second, concurrent wait
   // fails that CAS and never touches it.
   std::atomic<uint8_t> join_word{0};
@@ -140,6 +141,7 @@ struct Fiber {
   static constexpr uint8_t kJoinFinished = 2;
   static constexpr uint8_t kJoinDetached = 3;
   static constexpr uint8_t kJoinArming = 4;
+  static constexpr uint8_t kJoinFinishing = 5;  // complete_fiber holds the word; Finished next
 
   uint64_t id = 0;
   Group* group = nullptr;          // block_on group, counted until the fiber finishes

@@ -297,7 +297,7 @@ Monitor::Pace Monitor::sample(int64_t now) {
     if (ran < threshold_ns_) continue;
     if (!w.stalled) {
       w.stalled = true;
-      w.queued = p.stealer().len() + (p.lifo_occupied() ? 1 : 0) + (p.yielded_occupied() ? 1 : 0);
+      w.queued = p.stealer().len() + (p.lifo_occupied() ? 1 : 0) + (p.yielded_occupied() ? 1 : 0) + p.pinned_queued();
     }
     // Name the culprit before the rescue: once its queue moves it may well stop blocking.
     std::optional<Culprit> culprit;

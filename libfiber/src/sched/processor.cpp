@@ -446,7 +446,7 @@ inline bool Processor::queue_back(Fiber* f) noexcept {
     f->next = nullptr;
     if (pinned_tail_) pinned_tail_->next = f; else pinned_head_ = f;
     pinned_tail_ = f;
-    ++pinned_len_;
+    pinned_len_.store(pinned_len_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     return false;
   }
   queue_.push_back_or_overflow(f, sched_.injector());
@@ -468,7 +468,7 @@ void Processor::schedule_local(Fiber* f) noexcept {
 void Processor::schedule_yielded(Fiber* f) noexcept {
   if (!yielded_.occupied_for_owner() && sched_.idle().all_busy()) {
     // Each later pick ticks once: the queued fibers take the next len() ticks, then it is due.
-    yielded_due_ = tick_ + queue_.len() + pinned_len_ + 1;
+    yielded_due_ = tick_ + queue_.len() + pinned_len_.load(std::memory_order_relaxed) + 1;
     yielded_.put(f);
     return;
   }
@@ -770,7 +770,7 @@ void Processor::stats_into(ProcessorStats& out) const noexcept {
   out.spawned = spawned_.load(std::memory_order_relaxed);
   out.finished = finished_.load(std::memory_order_relaxed);
   for (std::size_t i = 0; i < kParkReasons; ++i) out.parks[i] = parks_[i].load(std::memory_order_relaxed);
-  out.local_queue = stealer_.len() + (yielded_.occupied() ? 1 : 0);
+  out.local_queue = stealer_.len() + (yielded_.occupied() ? 1 : 0) + pinned_queued();
   out.lifo_slot = lifo_occupied();
   std::lock_guard lock(life_mu_);  // the poller comes and goes with the thread
   out.io_submitted = io_submitted_retired_;

@@ -109,6 +109,7 @@ class Processor {
   Fiber* steal_yielded() noexcept { return yielded_.steal(); }
   bool lifo_occupied() const noexcept { return lifo_.occupied(); }
   bool yielded_occupied() const noexcept { return yielded_.occupied(); }
+  std::size_t pinned_queued() const noexcept { return pinned_len_.load(std::memory_order_relaxed); }  // racy
   bool inbox_pending() const noexcept { return inbox_nonempty_.load(std::memory_order_acquire); }
 
   // ---- Executed only by the running fiber of the calling thread's processor. Static because
@@ -212,11 +213,15 @@ class Processor {
   // The queue's pick, the yield slot being the queue's tail: its fiber once the fibers queued
   // ahead of it when it yielded have had their picks (yielded_due_), else the ring's head,
   // else the slot's fiber anyway.
-  // Fibers pinned here wait in their own queue (queue_back): taken every other pick while it
-  // has any, and whenever the ring is empty.
+  // Fibers pinned here wait in their own queue (queue_back): taken at every other queue pick
+  // while it has any (a turn of its own, not the tick's parity, which LIFO picks in between can
+  // hold at one phase for good), and whenever the ring is empty.
   Fiber* take_queued() noexcept {
     if (yielded_.occupied_for_owner() && static_cast<int32_t>(tick_ - yielded_due_) >= 0) return yielded_.take();
-    if (pinned_head_ != nullptr && ((tick_ & 1) != 0 || !queue_.has_tasks())) [[unlikely]] return take_pinned();
+    if (pinned_head_ != nullptr) [[unlikely]] {
+      pinned_turn_ = !pinned_turn_;
+      if (pinned_turn_ || !queue_.has_tasks()) return take_pinned();
+    }
     if (Fiber* f = pop_queue()) return f;
     return yielded_.take();
   }
@@ -227,7 +232,7 @@ class Processor {
     Fiber* f = pinned_head_;
     pinned_head_ = f->next;
     if (pinned_head_ == nullptr) pinned_tail_ = nullptr;
-    --pinned_len_;
+    pinned_len_.store(pinned_len_.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed);
     return f;
   }
   // kGlobalInterval picks have passed since next_local() last read the injector first.
@@ -278,7 +283,10 @@ class Processor {
   // nothing. No thief sees this queue, and nobody is woken for what only we may run.
   Fiber* pinned_head_ = nullptr;
   Fiber* pinned_tail_ = nullptr;
-  uint32_t pinned_len_ = 0;  // counted among the fibers queued ahead of a yield (yielded_due_)
+  bool pinned_turn_ = false;  // whose turn the next queue pick is, while both have fibers
+  // Counted among the fibers queued ahead of a yield (yielded_due_); read racily by stats and
+  // the watchdog's report, hence atomic (owner-written, relaxed).
+  std::atomic<uint32_t> pinned_len_{0};
   bool searching_ = false;  // mirrors our share of Idle's searching count
   bool retired_ = false;    // try_retire() succeeded: leave the loop
   uint32_t rng_;            // victim selection

@@ -323,9 +323,11 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
     std::memcpy(name.get(), req.options.name.data(), req.options.name.size());
     name[req.options.name.size()] = '\0';
   }
-  // A fiber of s may spawn while s stops (its children are cancelled as they start); a spawn
-  // from outside may not, and is counted in flight until fiber_submit or fiber_abandon.
-  const bool foreign = cur == nullptr || cur->sched != &s;
+  // A fiber of s may spawn while s stops (its children are cancelled as they start), and so
+  // may s's processors' own loops (an unhandled-exception handler run there); a spawn from
+  // outside may not, and is counted in flight until fiber_submit or fiber_abandon.
+  Processor* p = current_processor();
+  const bool foreign = p == nullptr || &p->sched() != &s;
   if (foreign) s.foreign_spawn_begin();  // throws when s is stopping
   const std::size_t off = Fiber::task_offset(joinable);
   const BlockClass c = block_class_for(off + task_size);
@@ -343,8 +345,7 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
   f->block_class = c;
   f->sched = &s;
   f->set_stack_size(size_class);
-  Processor* p = current_processor();
-  f->id = (p && &p->sched() == &s) ? p->next_fiber_id() : allocate_fiber_ids(1);
+  f->id = foreign ? allocate_fiber_ids(1) : p->next_fiber_id();
   f->group = req.group ? req.group : (cur ? cur->group : nullptr);
   f->name = name.release();
   *task_storage = static_cast<char*>(mem) + off;
@@ -405,24 +406,28 @@ void complete_fiber(Fiber* f) noexcept {
   // a store does. Only a word a handle may still change needs the exchange (a locked
   // instruction: `go` fibers, born detached, skip it; 5 ns of spawn_1t's, with the one below).
   uint8_t old = f->join_word.load(std::memory_order_acquire);
+  // Not detached yet: claim the word (kJoinFinishing) so that no detach can slip in between
+  // and leave an exception to report after the fiber was counted finished. A detach from now
+  // on reports it itself (fiber_detach), and a waiter waits out the few instructions to
+  // kJoinFinished (wait_out_finishing).
+  while (old != Fiber::kJoinDetached &&
+         !f->join_word.compare_exchange_weak(old, Fiber::kJoinFinishing, std::memory_order_acq_rel)) {
+  }
   if (old == Fiber::kJoinDetached) {
     // First the unhandled-exception handler (`go` fibers are born detached, and a dropped
     // handle detaches): it may block, so the fiber stays listed and counted alive until it
     // returns, for stop() to cancel that wait rather than shut the processors down under it.
+    // Detached is final: nobody else writes the word now.
     report_if_unobserved(f);
     leave_scheduler(f);
-    f->join_word.store(Fiber::kJoinFinished, std::memory_order_release);
   } else {
     // Counted finished before a joiner can see it so: join() returned means live_fibers()
     // no longer counts it.
     leave_scheduler(f);
-    old = f->join_word.exchange(Fiber::kJoinFinished, std::memory_order_acq_rel);
-    // Detached in the few instructions since the load: reported here, but counted finished
-    // already, so stop() would not wait for a handler that blocks now.
-    if (old == Fiber::kJoinDetached) report_if_unobserved(f);
   }
-  // kJoinArming: a waiter is writing the record; its CAS to kJoinWaiting now fails and it ends
-  // its wait itself. Nothing to notify.
+  f->join_word.store(Fiber::kJoinFinished, std::memory_order_release);
+  // kJoinArming: a waiter is writing the record; its CAS to kJoinWaiting fails and it ends its
+  // wait itself. Nothing to notify.
   if (old == Fiber::kJoinWaiting) {
     // A waiting fiber lent us a reference to itself (fiber_wait_until): its claim word, which
     // waiter_notify reads, is in its own control block, and it may have given up already.
@@ -449,6 +454,20 @@ void fiber_join(Fiber* f) {
   fiber_wait_until(f, std::numeric_limits<int64_t>::max(), "fiber::JoinHandle::join");
 }
 
+// `f` is in complete_fiber, past its claim of the join word (kJoinFinishing): a few
+// instructions from kJoinFinished, with no switch in between. Waits them out, so that a wait
+// that says "finished" means counted finished too (live_fibers()). Returns true.
+static bool wait_out_finishing(const Fiber* f) noexcept {
+  for (int spins = 0; f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinishing; ++spins) {
+    if (spins < 64) {
+      __builtin_ia32_pause();
+    } else {
+      std::this_thread::yield();  // its thread was preempted there
+    }
+  }
+  return true;
+}
+
 bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   Fiber* self = current_fiber();
   if (self == f) throw UsageError(std::string(what) + ": a fiber cannot wait for itself");
@@ -471,6 +490,7 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   uint8_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinArming, std::memory_order_acq_rel)) {
     if (expected == Fiber::kJoinFinished) return true;
+    if (expected == Fiber::kJoinFinishing) return wait_out_finishing(f);
     throw busy();  // kJoinArming or kJoinWaiting: another wait holds the record
   }
   // The record lives in `f`, but a waiting fiber's claim word is in its own control block, and
@@ -487,7 +507,7 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
     // one to notify.
     waiter_abandon(f->join_waiter());
     if (self) drop_fiber_ref(self);
-    return true;
+    return wait_out_finishing(f);
   }
   const WakeReason r =
       timed ? waiter_wait_until(f->join_waiter(), ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))
@@ -501,7 +521,7 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   const bool withdrawn = f->join_word.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
   if (withdrawn && self) drop_fiber_ref(self);
   if (r == WakeReason::Cancelled) throw Cancelled();
-  return !withdrawn;
+  return !withdrawn && wait_out_finishing(f);
 }
 
 bool fiber_finished(const Fiber* f) noexcept {
@@ -510,8 +530,10 @@ bool fiber_finished(const Fiber* f) noexcept {
 
 void fiber_detach(Fiber* f) noexcept {
   uint8_t expected = 0;
+  // Finishing or finished: complete_fiber saw no detach, so the report is ours to make (the
+  // task's outcome is final once it finishes; our reference keeps the block).
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinDetached, std::memory_order_acq_rel) &&
-      expected == Fiber::kJoinFinished) {
+      (expected == Fiber::kJoinFinished || expected == Fiber::kJoinFinishing)) {
     report_if_unobserved(f);
   }
   drop_fiber_ref(f);

@@ -181,8 +181,9 @@ std::size_t SchedulerImpl::live_fibers() const noexcept {
 void SchedulerImpl::foreign_spawn_begin() {
   foreign_spawns_.fetch_add(1, std::memory_order_seq_cst);
   if (stopping_.load(std::memory_order_seq_cst)) {
-    foreign_spawn_end();
-    throw UsageError("fiber::spawn: scheduler '" + name_ + "' is stopped");
+    UsageError stopped("fiber::spawn: scheduler '" + name_ + "' is stopped");
+    foreign_spawn_end();  // our last touch: stop() may go on, and the scheduler go away
+    throw stopped;
   }
 }
 

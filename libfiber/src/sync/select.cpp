@@ -127,8 +127,11 @@ std::size_t select_impl(SelectCase* cases, ChanNode* nodes, std::uint32_t* scrat
 
   // ---- 4. withdraw the nodes no waker took (the chosen one was popped by its waker)
   const std::size_t chosen = r == WakeReason::Notified ? static_cast<std::size_t>(w.tag & ~kChanClosedTag) : n;
+  // Woken by a close: close() took every node off that channel's queues, the other cases' on it
+  // too, and the channel may be gone already. Only the other channels are withdrawn from.
+  const ChanBase* closed = chosen < n && (w.tag & kChanClosedTag) ? cases[chosen].ch : nullptr;
   for (std::size_t i = 0; i < n; ++i) {
-    if (i == chosen) continue;
+    if (i == chosen || cases[i].ch == closed) continue;
     ChanBase* ch = cases[i].ch;
     ch->lock();
     (cases[i].send ? ch->sendq() : ch->recvq()).remove_if_queued(&nodes[i]);
