@@ -24,6 +24,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <utility>
 
 #include "fiber/error.hpp"
 #include "sched/group.hpp"
@@ -215,14 +216,21 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   // errno belongs to the fiber: saved here, restored on whichever thread resumes us. Through
   // each processor's cached errno address, not `errno`: glibc declares __errno_location()
   // `const`, so the compiler could reuse the old thread's address after the jump.
-  // The exceptions being handled, and uncaught_exceptions(), are the fiber's too (EhGlobals).
   const int saved_errno = *p->errno_;
-  const EhGlobals saved_eh = *p->eh_;
+  // The exceptions being handled, and uncaught_exceptions(), are the fiber's too (EhGlobals).
+  // Invariant: between two contexts the thread's state is empty. A context that has some takes
+  // it along and leaves it empty; one that has none (nearly every switch) reads two words.
+  EhGlobals eh_storage;  // set only when used: `saved_eh` is the one word kept across the jump
+  EhGlobals* saved_eh = nullptr;
+  if (p->eh_->caught_exceptions != nullptr || p->eh_->uncaught_exceptions != 0) [[unlikely]] {
+    eh_storage = std::exchange(*p->eh_, EhGlobals{});
+    saved_eh = &eh_storage;
+  }
   Transfer t = jump(to->ctx, from->san, to->san, &msg);
   // Resumed, possibly on another thread: everything below uses the processor from the message.
   Processor* now = complete_switch(t);
   *now->errno_ = saved_errno;
-  *now->eh_ = saved_eh;
+  if (saved_eh != nullptr) [[unlikely]] *now->eh_ = *saved_eh;
   return now;
 }
 
@@ -278,8 +286,7 @@ FIBER_TSAN_UNINSTRUMENTED void Processor::fiber_main(Transfer t) noexcept {
 // frame, on the dying stack, until the side switched to has copied it (complete_switch).
 Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
-  Processor* first = complete_switch(t);
-  *first->eh_ = EhGlobals{};  // not the switcher's: a new fiber handles no exception yet
+  complete_switch(t);  // a new fiber handles no exception yet: the switcher left none (switch_to)
   run_task(self);
   complete_fiber(self);  // counts the finish
   self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
