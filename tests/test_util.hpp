@@ -96,6 +96,12 @@ bool wait_for(Pred&& pred, std::chrono::milliseconds limit = 10'000ms,
   return true;
 }
 
+// How many times fibers of `s` have parked for `why` so far: waiting for this to grow tells a
+// test that a fiber is (or was) parked there.
+inline std::uint64_t park_count(fiber::Scheduler& s, fiber::detail::ParkReason why) {
+  return s.stats().parks[static_cast<std::size_t>(why)];
+}
+
 // Waits (bounded) until `s` has no live fiber and checks that it got there. Use before the locals
 // that fibers touch go out of scope when the fibers were not joined.
 inline void quiesce(fiber::Scheduler& s, std::chrono::milliseconds limit = 10'000ms) {

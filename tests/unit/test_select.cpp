@@ -139,13 +139,8 @@ TEST_CASE("select: a receive case's channel may be destroyed as soon as its clos
   // The woken select reset its out slot through the channel after the wake, so a closer that
   // destroyed its channel right after close() had it read freed memory (seen under ASan).
   // close() now resets the slot before the wake; a select that wakes touches no closed channel.
-  std::size_t select_reason = 0;
-  while (select_reason < fiber::kParkReasons && std::string(fiber::park_reason_name(select_reason)) != "select") {
-    ++select_reason;
-  }
-  REQUIRE(select_reason < fiber::kParkReasons);
-  for_each_proc_count([select_reason](fiber::Scheduler& s, int) {
-    const auto select_parks = [&] { return s.stats().parks[select_reason]; };
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    const auto select_parks = [&] { return park_count(s, fiber::detail::ParkReason::Select); };
     for (int round = 0; round < (kSanitized ? 50 : 200); ++round) {
       auto doomed = std::make_unique<fiber::Channel<std::string>>();
       fiber::Channel<std::string>* ch = doomed.get();

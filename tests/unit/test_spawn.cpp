@@ -690,9 +690,7 @@ TEST_CASE("spawn: fiber ids are unique and match the handles") {
 
 namespace {
 // Fibers of `s` that have parked in a join or a timed wait so far.
-std::uint64_t join_parks(fiber::Scheduler& s) {
-  return s.stats().parks[static_cast<std::size_t>(fiber::detail::ParkReason::Join)];
-}
+std::uint64_t join_parks(fiber::Scheduler& s) { return park_count(s, fiber::detail::ParkReason::Join); }
 }  // namespace
 
 TEST_CASE("JoinHandle: wait_for / wait_until time out and leave the handle joinable, from threads and fibers") {

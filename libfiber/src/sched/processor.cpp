@@ -82,17 +82,7 @@ void Processor::start() {
   std::exception_ptr error;
   retired_ = false;  // the thread is not running: nobody else reads it now
   life_.store(Life::Running, std::memory_order_release);
-  // Should the thread not start (EAGAIN: a thread or pid limit), the processor is Stopped
-  // again: left Running, the monitor would take it for a live one and never restart it for a
-  // pinned fiber waiting in its inbox.
-  struct StoppedUnlessStarted {
-    std::atomic<Life>& life;
-    bool started = false;
-    ~StoppedUnlessStarted() {
-      if (!started) life.store(Life::Stopped, std::memory_order_release);
-    }
-  } guard{life_};
-  thread_ = std::thread([&] {
+  auto body = [&] {
     bool ok = true;
     try {
       auto poller = Poller::create();
@@ -110,8 +100,15 @@ void Processor::start() {
       cv.notify_one();
     }
     if (ok) thread_main();
-  });
-  guard.started = true;  // from here on the thread's own failure path below applies
+  };
+  try {
+    thread_ = std::thread(body);
+  } catch (...) {
+    // No thread (EAGAIN: a thread or pid limit): Stopped again. Left Running, the monitor would
+    // take it for a live one and never restart it for a pinned fiber waiting in its inbox.
+    life_.store(Life::Stopped, std::memory_order_release);
+    throw;
+  }
   std::unique_lock lock(mu);
   cv.wait(lock, [&] { return ready; });
   if (error) {
@@ -633,8 +630,8 @@ bool Processor::maintenance() noexcept {
         return f;
       }
     } else if (!queue_.has_tasks() && !yielded_.occupied_for_owner() && pinned_head_ == nullptr) {
-      // Past the LIFO limit with nobody queued to starve (the yield slot's fiber counts as
-      // queued): next_local() would move the LIFO fiber to the back of the empty ring and pop
+      // Past the LIFO limit with nobody queued to starve (the yield slot's and the pinned
+      // queue's fibers count as queued): next_local() would move the LIFO fiber to the back of the empty ring and pop
       // it again (a push and a CAS for a ping-pong pair every fourth switch). Take it as that
       // queue pick.
       if (Fiber* f = take_lifo()) {

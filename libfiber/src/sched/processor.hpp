@@ -211,11 +211,10 @@ class Processor {
     return f;
   }
   // The queue's pick, the yield slot being the queue's tail: its fiber once the fibers queued
-  // ahead of it when it yielded have had their picks (yielded_due_), else the ring's head,
-  // else the slot's fiber anyway.
-  // Fibers pinned here wait in their own queue (queue_back): taken at every other queue pick
-  // while it has any (a turn of its own, not the tick's parity, which LIFO picks in between can
-  // hold at one phase for good), and whenever the ring is empty.
+  // ahead of it when it yielded have had their picks (yielded_due_); else, at every other pick
+  // while it has any and whenever the ring is empty, the pinned queue's head (a turn of its own,
+  // not the tick's parity, which LIFO picks in between can hold at one phase for good); else
+  // the ring's head; else the slot's fiber anyway.
   Fiber* take_queued() noexcept {
     if (yielded_.occupied_for_owner() && static_cast<int32_t>(tick_ - yielded_due_) >= 0) return yielded_.take();
     if (pinned_head_ != nullptr) [[unlikely]] {

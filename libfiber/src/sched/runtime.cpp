@@ -298,6 +298,12 @@ void destroy_fiber(Fiber* f) noexcept {
   free_block(f, c);
 }
 
+// Whether a spawn onto `s` made on processor `p` (nullptr: a plain thread) comes from outside
+// `s`: fiber_create, fiber_submit and fiber_abandon, on one thread, must agree on it.
+bool spawning_from_outside(const Processor* p, const SchedulerImpl& s) noexcept {
+  return p == nullptr || &p->sched() != &s;
+}
+
 SchedulerImpl& target_scheduler(const SpawnOptions& o, const Fiber* cur) {
   if (o.scheduler) return o.scheduler->impl();
   if (cur) return *cur->sched;
@@ -327,7 +333,7 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
   // may s's processors' own loops (an unhandled-exception handler run there); a spawn from
   // outside may not, and is counted in flight until fiber_submit or fiber_abandon.
   Processor* p = current_processor();
-  const bool foreign = p == nullptr || &p->sched() != &s;
+  const bool foreign = spawning_from_outside(p, s);
   if (foreign) s.foreign_spawn_begin();  // throws when s is stopping
   const std::size_t off = Fiber::task_offset(joinable);
   const BlockClass c = block_class_for(off + task_size);
@@ -341,7 +347,6 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
   Fiber* f = new (mem) Fiber();
   if (joinable) new (static_cast<char*>(mem) + sizeof(Fiber)) Waiter();
   f->joinable = joinable;
-  f->foreign_spawn = foreign;
   f->block_class = c;
   f->sched = &s;
   f->set_stack_size(size_class);
@@ -354,7 +359,7 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
 
 void fiber_abandon(Fiber* f) noexcept {
   f->has_task = false;
-  if (f->foreign_spawn) f->sched->foreign_spawn_end();
+  if (spawning_from_outside(current_processor(), *f->sched)) f->sched->foreign_spawn_end();
   destroy_fiber(f);
 }
 
@@ -373,17 +378,15 @@ void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
   Processor* p = current_processor();
   if (f->group && !(p && p->group_member_spawned(f->group))) f->group->add();
   SchedulerImpl& s = *f->sched;  // f may run, finish and be freed once published
-  const bool in_flight = f->foreign_spawn;
-  const bool local = p != nullptr && &p->sched() == &s;
   f->set_state(FiberState::Created, FiberState::Runnable);  // not yet visible to anyone
-  if (local) {
+  if (!spawning_from_outside(p, s)) {
     p->count_spawn();
     p->schedule_local(f);
   } else {
     s.count_foreign_spawn();
     s.inject(f);
+    s.foreign_spawn_end();  // counted now: stop() may go on (our last touch of s)
   }
-  if (in_flight) s.foreign_spawn_end();  // counted now: stop() may go on (our last touch of s)
 }
 
 void run_task(Fiber* self) noexcept {
@@ -402,29 +405,21 @@ static void leave_scheduler(Fiber* f) noexcept {
 
 void complete_fiber(Fiber* f) noexcept {
   Group* g = f->group;
-  // Detached is final: no handle is left to wait or detach, so nobody else writes the word and
-  // a store does. Only a word a handle may still change needs the exchange (a locked
-  // instruction: `go` fibers, born detached, skip it; 5 ns of spawn_1t's, with the one below).
+  // Not detached yet: claim the word (kJoinFinishing) so that no detach can slip in between and
+  // leave an exception to report after the fiber was counted finished. A detach from now on
+  // reports it itself (fiber_detach), and a waiter waits out the few instructions to
+  // kJoinFinished (wait_out_finishing). Detached is final: nobody else writes the word, so `go`
+  // fibers (born detached) skip the locked instruction.
   uint8_t old = f->join_word.load(std::memory_order_acquire);
-  // Not detached yet: claim the word (kJoinFinishing) so that no detach can slip in between
-  // and leave an exception to report after the fiber was counted finished. A detach from now
-  // on reports it itself (fiber_detach), and a waiter waits out the few instructions to
-  // kJoinFinished (wait_out_finishing).
   while (old != Fiber::kJoinDetached &&
          !f->join_word.compare_exchange_weak(old, Fiber::kJoinFinishing, std::memory_order_acq_rel)) {
   }
-  if (old == Fiber::kJoinDetached) {
-    // First the unhandled-exception handler (`go` fibers are born detached, and a dropped
-    // handle detaches): it may block, so the fiber stays listed and counted alive until it
-    // returns, for stop() to cancel that wait rather than shut the processors down under it.
-    // Detached is final: nobody else writes the word now.
-    report_if_unobserved(f);
-    leave_scheduler(f);
-  } else {
-    // Counted finished before a joiner can see it so: join() returned means live_fibers()
-    // no longer counts it.
-    leave_scheduler(f);
-  }
+  // A detached fiber's unhandled-exception handler may block: the fiber stays listed and
+  // counted alive until it returns, for stop() to cancel that wait rather than shut the
+  // processors down under it. A joinable one is counted finished before a joiner can see it
+  // so: join() returned means live_fibers() no longer counts it.
+  if (old == Fiber::kJoinDetached) report_if_unobserved(f);
+  leave_scheduler(f);
   f->join_word.store(Fiber::kJoinFinished, std::memory_order_release);
   // kJoinArming: a waiter is writing the record; its CAS to kJoinWaiting fails and it ends its
   // wait itself. Nothing to notify.
@@ -456,8 +451,8 @@ void fiber_join(Fiber* f) {
 
 // `f` is in complete_fiber, past its claim of the join word (kJoinFinishing): a few
 // instructions from kJoinFinished, with no switch in between. Waits them out, so that a wait
-// that says "finished" means counted finished too (live_fibers()). Returns true.
-static bool wait_out_finishing(const Fiber* f) noexcept {
+// that says "finished" means counted finished too (live_fibers()).
+static void wait_out_finishing(const Fiber* f) noexcept {
   for (int spins = 0; f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinishing; ++spins) {
     if (spins < 64) {
       __builtin_ia32_pause();
@@ -465,7 +460,6 @@ static bool wait_out_finishing(const Fiber* f) noexcept {
       std::this_thread::yield();  // its thread was preempted there
     }
   }
-  return true;
 }
 
 bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
@@ -489,9 +483,11 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   // winner's wait. The loser fails this CAS without touching the record.
   uint8_t expected = 0;
   if (!f->join_word.compare_exchange_strong(expected, Fiber::kJoinArming, std::memory_order_acq_rel)) {
-    if (expected == Fiber::kJoinFinished) return true;
-    if (expected == Fiber::kJoinFinishing) return wait_out_finishing(f);
-    throw busy();  // kJoinArming or kJoinWaiting: another wait holds the record
+    if (expected != Fiber::kJoinFinished && expected != Fiber::kJoinFinishing) {
+      throw busy();  // kJoinArming or kJoinWaiting: another wait holds the record
+    }
+    wait_out_finishing(f);
+    return true;
   }
   // The record lives in `f`, but a waiting fiber's claim word is in its own control block, and
   // the finisher reads it after its exchange in complete_fiber - possibly after a timed-out or
@@ -507,7 +503,8 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
     // one to notify.
     waiter_abandon(f->join_waiter());
     if (self) drop_fiber_ref(self);
-    return wait_out_finishing(f);
+    wait_out_finishing(f);
+    return true;
   }
   const WakeReason r =
       timed ? waiter_wait_until(f->join_waiter(), ParkReason::Join, Deadline(std::chrono::nanoseconds(deadline_ns)))
@@ -521,7 +518,9 @@ bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {
   const bool withdrawn = f->join_word.compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
   if (withdrawn && self) drop_fiber_ref(self);
   if (r == WakeReason::Cancelled) throw Cancelled();
-  return !withdrawn && wait_out_finishing(f);
+  if (withdrawn) return false;
+  wait_out_finishing(f);
+  return true;
 }
 
 bool fiber_finished(const Fiber* f) noexcept {
