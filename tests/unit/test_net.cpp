@@ -11,7 +11,9 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -60,6 +62,26 @@ extern "C" int getaddrinfo(const char* node, const char* service, const addrinfo
     return EAI_NONAME;
   }
   if (name == "ok.resolver.test") return real("127.0.0.1", service, hints, res);
+  // Names with several addresses, each answered as the C library answers a numeric one: a
+  // server down (nothing listens on 127.0.0.2 or .3), one up, one whose SYNs are dropped (.4,
+  // when the test fills that listener's queue), and a repeat.
+  auto several = [&](std::initializer_list<const char*> hosts) {
+    addrinfo* head = nullptr;
+    addrinfo** tail = &head;
+    for (const char* h : hosts) {
+      const int rc = real(h, service, hints, tail);
+      if (rc != 0) {
+        if (head != nullptr) ::freeaddrinfo(head);
+        return rc;
+      }
+      while (*tail != nullptr) tail = &(*tail)->ai_next;
+    }
+    *res = head;
+    return 0;
+  };
+  if (name == "two.resolver.test") return several({"127.0.0.2", "127.0.0.1", "127.0.0.2"});
+  if (name == "down.resolver.test") return several({"127.0.0.2", "127.0.0.3"});
+  if (name == "slow.resolver.test") return several({"127.0.0.4", "127.0.0.1"});
   if (name == "again.resolver.test") return EAI_AGAIN;
   if (name == "system.resolver.test") {  // EAI_SYSTEM that leaves no errno
     errno = 0;
@@ -547,6 +569,94 @@ TEST_CASE("net: name lookups: a result, resolver failures as errnos, and a looku
   }, {1, 2});
   run_on_thread(answers);
   CHECK(let_lookups_finish());
+}
+
+// A name with several addresses: dial once tried only the first, so one server down (or an
+// IPv6 address on a host without IPv6 routes) failed the dial though the next would answer.
+TEST_CASE("net: dial tries a name's addresses in order until one connects; a failure lists every attempt") {
+  auto ln = net::Listener::listen("127.0.0.1:0");
+  REQUIRE_MESSAGE(ln.ok(), ln.message());
+  const std::string port = std::to_string(ln->port());
+  auto body = [&] {
+    auto all = net::resolve_all("two.resolver.test:" + port, patience());
+    REQUIRE_MESSAGE(all.ok(), all.message());
+    REQUIRE(all->size() == 2);  // in the resolver's order, the repeat dropped
+    CHECK((*all)[0].to_string() == "127.0.0.2:" + port);
+    CHECK((*all)[1].to_string() == "127.0.0.1:" + port);
+    auto first = net::resolve("two.resolver.test:" + port);
+    REQUIRE_MESSAGE(first.ok(), first.message());
+    CHECK(first->to_string() == "127.0.0.2:" + port);
+    auto one = net::resolve_all("127.0.0.1:" + port);
+    REQUIRE_MESSAGE(one.ok(), one.message());
+    CHECK(one->size() == 1);
+    CHECK(net::resolve_all("no-port").error() == EINVAL);
+
+    for (bool with_deadline : {false, true}) {
+      auto c = with_deadline ? net::Stream::dial("two.resolver.test:" + port, patience())
+                             : net::Stream::dial("two.resolver.test:" + port);
+      REQUIRE_MESSAGE(c.ok(), c.message());  // 127.0.0.2 refused, 127.0.0.1 answered
+      auto a = ln->accept(patience());
+      REQUIRE_MESSAGE(a.ok(), a.message());
+      CHECK(c->write_all("x", 1) == 1);
+      char byte = 0;
+      CHECK(a->read_exact(&byte, 1, patience()) == 1);
+      CHECK(byte == 'x');
+    }
+    auto down = net::Stream::dial("down.resolver.test:" + port, patience());
+    CHECK(down.error() == ECONNREFUSED);
+    CHECK_MESSAGE(contains(down.message(), "'down.resolver.test:" + port + "'"), down.message());
+    CHECK_MESSAGE(contains(down.message(), "127.0.0.2:" + port + ": "), down.message());
+    CHECK_MESSAGE(contains(down.message(), "127.0.0.3:" + port + ": "), down.message());
+    // One address: the message is as before, without the address list.
+    auto single = net::Stream::dial("127.0.0.2:" + port, patience());
+    CHECK(single.error() == ECONNREFUSED);
+    CHECK_MESSAGE(!contains(single.message(), "127.0.0.2:" + port + ":"), single.message());
+  };
+  for_each_proc_count([&](fiber::Scheduler& s, int) { fiber::spawn({.scheduler = &s}, body).join(); }, {1, 2});
+  run_on_thread(body);
+}
+
+// Not in the case above: its subcases would run this one's seconds of waiting again.
+TEST_CASE("net: dial gives each address a share of the deadline, and a cancel ends the tries") {
+  auto ln = net::Listener::listen("127.0.0.1:0");
+  REQUIRE_MESSAGE(ln.ok(), ln.message());
+  const std::string port = std::to_string(ln->port());
+  // A cancel ends the tries: the first address never answers, and the second is not tried.
+  fiber::Scheduler s({.processors = 1, .name = "dial"});
+  const int held = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(held >= 0);
+  Fd held_fd(held);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(ln->port());
+  at.sin_addr.s_addr = htonl(0x7f000004);  // 127.0.0.4, the port the listener has on .1
+  REQUIRE(::bind(held, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(::listen(held, 0) == 0);
+  // Fill its accept queue (one connection, for a backlog of 0, and one more to be sure): the
+  // kernel then drops further SYNs, as a firewall or a host that is gone would.
+  std::vector<Fd> fillers;
+  for (int i = 0; i < 2; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    REQUIRE(fd >= 0);
+    fillers.emplace_back(fd);
+    const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at);
+    REQUIRE((rc == 0 || errno == EINPROGRESS));
+  }
+  ::usleep(50'000);  // the handshakes complete (loopback): the queue is full
+  auto h = fiber::spawn({.scheduler = &s}, [&] { return net::Stream::dial("slow.resolver.test:" + port); });
+  fiber::spawn({.scheduler = &s}, [] { fiber::this_fiber::sleep_for(100ms); }).join();
+  h.cancel();
+  auto cancelled = h.join();
+  CHECK(cancelled.error() == ECANCELED);
+  CHECK_MESSAGE(contains(cancelled.message(), "the other 1 address(es) not tried"), cancelled.message());
+
+  // With a deadline, each attempt gets its share of the time left, at least 2 s: the address
+  // that drops SYNs gives way to the one that answers before the 4 s are up. (Once, the first
+  // attempt would have had all 4 s, and the dial failed with ETIMEDOUT.)
+  auto slow = fiber::spawn({.scheduler = &s}, [&] { return net::Stream::dial("slow.resolver.test:" + port, 4s); }).join();
+  REQUIRE_MESSAGE(slow.ok(), slow.message());
+  auto a = ln->accept(patience());
+  REQUIRE_MESSAGE(a.ok(), a.message());
 }
 
 // Every abandoned lookup holds a thread of the pool fiber::blocking shares until the resolver

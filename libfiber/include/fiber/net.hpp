@@ -32,6 +32,7 @@
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include "fiber/config.hpp"
 #include "fiber/io.hpp"
@@ -85,7 +86,11 @@ struct Address {
 // unfinished (a resolver that does not answer), new ones fail at once with EAGAIN rather than
 // fill the pool that fiber::blocking shares. A name that does not resolve gives EHOSTUNREACH, a
 // temporary resolver failure EAGAIN, a system error its errno.
+// The first address of resolve_all().
 FIBER_API Result<Address> resolve(std::string_view host_port, io::Deadline deadline = {});
+// Every IPv4 and IPv6 address a name has, in the resolver's order (glibc sorts them by RFC 6724),
+// each once; a numeric address or "localhost" gives one. Errors as resolve().
+FIBER_API Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadline deadline = {});
 
 // A connected TCP socket. Move-only; closes its descriptor when destroyed.
 class FIBER_API Stream {
@@ -100,6 +105,11 @@ class FIBER_API Stream {
   ~Stream() { close(); }
 
   // Connects to "host:port" (TCP_NODELAY set). The deadline covers resolution and connect.
+  // A name with several addresses (resolve_all) is tried one address at a time, in order, until
+  // one connects, as Go's dialer does: with a deadline, each attempt gets an even share of the
+  // time left, and at least 2 s when that much is left, so an address that never answers does
+  // not use it all. On failure the errno is the first attempt's (ETIMEDOUT or ECANCELED if the
+  // deadline or a cancel ended the tries) and the message lists every attempt.
   static Result<Stream> dial(std::string_view host_port, io::Deadline deadline = {});
 
   // Up to n bytes; 0 when the peer has closed; -errno.

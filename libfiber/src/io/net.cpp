@@ -14,8 +14,10 @@
 #include <netinet/tcp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <memory>
 
@@ -24,10 +26,6 @@ namespace raw = fiber::detail::raw;
 namespace {
 
 std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-Result<Address> parse_failure(std::string_view host_port, const char* why) {
-  return Result<Address>::failure(EINVAL, "fiber::net: " + quoted(host_port) + " is not host:port (" + why + ")");
-}
 
 // Splits "host:port" / "[v6]:port"; false if it does not have that shape.
 bool split(std::string_view s, std::string_view& host, std::string_view& port) {
@@ -147,11 +145,15 @@ std::string Address::to_string() const {
   return "?";
 }
 
-Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
+Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadline deadline) {
+  using Addresses = std::vector<Address>;
+  auto parse_error = [&](const char* why) {
+    return Result<Addresses>::failure(EINVAL, "fiber::net: " + quoted(host_port) + " is not host:port (" + why + ")");
+  };
   std::string_view host, port_s;
-  if (!split(host_port, host, port_s)) return parse_failure(host_port, "expected host:port");
+  if (!split(host_port, host, port_s)) return parse_error("expected host:port");
   uint16_t port;
-  if (!parse_port(port_s, port)) return parse_failure(host_port, "the port is not a number from 0 to 65535");
+  if (!parse_port(port_s, port)) return parse_error("the port is not a number from 0 to 65535");
   Address a;
   if (host.empty() || host == "*") {
     auto* in = reinterpret_cast<sockaddr_in*>(&a.storage);
@@ -159,7 +161,7 @@ Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
     in->sin_addr.s_addr = htonl(INADDR_ANY);
     in->sin_port = htons(port);
     a.len = sizeof(sockaddr_in);
-    return a;
+    return Addresses{a};
   }
   const std::string h(host == "localhost" ? std::string_view("127.0.0.1") : host);
   auto* in = reinterpret_cast<sockaddr_in*>(&a.storage);
@@ -167,20 +169,20 @@ Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
     in->sin_family = AF_INET;
     in->sin_port = htons(port);
     a.len = sizeof(sockaddr_in);
-    return a;
+    return Addresses{a};
   }
   auto* in6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
   if (inet_pton(AF_INET6, h.c_str(), &in6->sin6_addr) == 1) {
     in6->sin6_family = AF_INET6;
     in6->sin6_port = htons(port);
     a.len = sizeof(sockaddr_in6);
-    return a;
+    return Addresses{a};
   }
   // A name: getaddrinfo blocks (DNS). A plain thread without a deadline calls it; otherwise it
   // runs on the blocking-offload pool, and the caller waits for it until the deadline or a
   // cancel, whichever comes first (the lookup then finishes unwatched).
   auto fail = [&](int err, const std::string& why) {
-    return Result<Address>::failure(err, "fiber::net: resolving " + quoted(host) + ": " + why);
+    return Result<Addresses>::failure(err, "fiber::net: resolving " + quoted(host) + ": " + why);
   };
   if (deadline.expired()) return fail(ETIMEDOUT, "the deadline passed");
   const detail::Fiber* self = detail::current_fiber();
@@ -215,14 +217,36 @@ Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
   }
   if (lk->rc != 0 || lk->res == nullptr) {
     const int err = lookup_errno(lk->rc, lk->sys_errno);
-    return Result<Address>::failure(err, "fiber::net: cannot resolve " + quoted(host) + ": " +
-                                             (lk->rc == EAI_SYSTEM ? std::strerror(err) : gai_strerror(lk->rc)));
+    return Result<Addresses>::failure(err, "fiber::net: cannot resolve " + quoted(host) + ": " +
+                                               (lk->rc == EAI_SYSTEM ? std::strerror(err) : gai_strerror(lk->rc)));
   }
-  std::memcpy(&a.storage, lk->res->ai_addr, lk->res->ai_addrlen);
-  a.len = lk->res->ai_addrlen;
-  if (a.storage.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&a.storage)->sin_port = htons(port);
-  if (a.storage.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&a.storage)->sin6_port = htons(port);
-  return a;
+  // Every IPv4 and IPv6 address, in the resolver's order (RFC 6724's, for glibc), each once:
+  // without a socktype hint's effect on some resolvers, an address can come once per protocol.
+  Addresses all;
+  for (const addrinfo* ai = lk->res; ai != nullptr; ai = ai->ai_next) {
+    const int family = ai->ai_addr ? ai->ai_addr->sa_family : AF_UNSPEC;
+    if ((family != AF_INET && family != AF_INET6) || ai->ai_addrlen > sizeof(a.storage)) continue;
+    Address b;
+    std::memcpy(&b.storage, ai->ai_addr, ai->ai_addrlen);
+    b.len = ai->ai_addrlen;
+    if (family == AF_INET) reinterpret_cast<sockaddr_in*>(&b.storage)->sin_port = htons(port);
+    if (family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&b.storage)->sin6_port = htons(port);
+    const bool seen = std::any_of(all.begin(), all.end(), [&](const Address& c) {
+      return c.len == b.len && std::memcmp(&c.storage, &b.storage, b.len) == 0;
+    });
+    if (!seen) all.push_back(b);
+  }
+  if (all.empty()) {
+    return Result<Addresses>::failure(EHOSTUNREACH, "fiber::net: cannot resolve " + quoted(host) +
+                                                        ": the resolver gave no IPv4 or IPv6 address");
+  }
+  return all;
+}
+
+Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
+  auto all = resolve_all(host_port, deadline);
+  if (!all) return Result<Address>::failure(all.error(), all.message());
+  return all->front();
 }
 
 // ------------------------------------------------------------------------------ Stream
@@ -236,18 +260,51 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   return *this;
 }
 
+// The deadline of one connect among several (Go's partial deadline): the time left, shared
+// evenly among the addresses left to try, but at least kMinAttempt when that much is left, so
+// that an address that never answers (its SYNs dropped) still leaves time for the next ones.
+io::Deadline attempt_deadline(io::Deadline overall, std::size_t addresses_left) {
+  using namespace std::chrono;
+  constexpr auto kMinAttempt = duration_cast<steady_clock::duration>(2s);
+  if (overall.is_none() || addresses_left <= 1) return overall;
+  const auto now = steady_clock::now();
+  const auto left = overall.at() - now;
+  auto share = left / static_cast<long>(addresses_left);
+  if (share < kMinAttempt) share = std::min(left, kMinAttempt);
+  return io::Deadline(now + share);
+}
+
 Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
-  auto addr = resolve(host_port, deadline);
-  if (!addr) return Result<Stream>::failure(addr.error(), addr.message());
-  const int fd = socket_for(*addr);
-  if (fd < 0) return Result<Stream>::failure(-fd, std::string("fiber::net::Stream::dial: socket: ") + std::strerror(-fd));
-  Stream s(fd, true);
-  const int rc = io::connect(fd, addr->get(), addr->len, deadline);
-  if (rc < 0) {
-    return Result<Stream>::failure(-rc, "fiber::net::Stream::dial " + quoted(host_port) + ": " + std::strerror(-rc));
+  auto addrs = resolve_all(host_port, deadline);
+  if (!addrs) return Result<Stream>::failure(addrs.error(), addrs.message());
+  // Each address in turn until one connects, as Go's dialer does without its parallel IPv4
+  // fallback: a name with an IPv6 address on a host without IPv6 routes, or with one server
+  // down, still connects. The errno is the first attempt's, unless the deadline or a cancel
+  // ended the tries; the message lists every attempt.
+  int err = 0;
+  std::string attempts;
+  const std::size_t n = addrs->size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const Address& a = (*addrs)[i];
+    const int fd = socket_for(a);
+    int rc = fd;
+    if (fd >= 0) {
+      Stream s(fd, true);
+      rc = io::connect(fd, a.get(), a.len, attempt_deadline(deadline, n - i));
+      if (rc == 0) {
+        nodelay(fd);
+        return s;
+      }
+    }
+    if (err == 0) err = -rc;
+    attempts += (i ? "; " : ": ") + (n > 1 ? a.to_string() + ": " : "") + (fd < 0 ? "socket: " : "") + std::strerror(-rc);
+    if (rc == -ECANCELED || deadline.expired()) {
+      if (i + 1 < n) attempts += "; the other " + std::to_string(n - i - 1) + " address(es) not tried";
+      err = rc == -ECANCELED ? ECANCELED : ETIMEDOUT;
+      break;
+    }
   }
-  nodelay(fd);
-  return s;
+  return Result<Stream>::failure(err, "fiber::net::Stream::dial " + quoted(host_port) + attempts);
 }
 
 ssize_t Stream::read(void* buf, size_t n, io::Deadline deadline) noexcept {
