@@ -1,4 +1,5 @@
-// Tests for LocalQueue (sched/local_queue.hpp), the per-processor run queue.
+// Tests for LocalQueue (sched/local_queue.hpp), the per-processor run queue, and at the end for
+// the Injector (sched/injector.hpp), the global queue its overflow goes to.
 //
 //   1. QueueHead packing.
 //   2. Single-threaded owner semantics: FIFO, len/has_tasks/remaining_slots, empty pop, many laps
@@ -14,6 +15,7 @@
 // Hot loops record failures in a Failures object rather than calling CHECK per element: doctest
 // asserts are slow in loops of millions and the threads here would contend on them.
 #include "sched/local_queue.hpp"
+#include "sched/injector.hpp"
 
 #include <doctest/doctest.h>
 
@@ -1102,4 +1104,60 @@ TEST_CASE("local_queue: capacity 4, exhaustive op sequences vs deque model") {
   }
   MESSAGE("exhaustive: " << sequences << " sequences, " << steps << " steps");
   LQ_CHECK_NO_FAILURES(f);
+}
+
+// ------------------------------------------------------------------------------ injector
+
+namespace {
+// Refuses the injector's segments for a scope, as if memory had run out.
+struct RefuseSegments {
+  explicit RefuseSegments(int n) { fiber::detail::Injector::refuse_segments.store(n); }
+  ~RefuseSegments() { fiber::detail::Injector::refuse_segments.store(0); }
+};
+}  // namespace
+
+// The overflow of every local queue, and every wake from outside, lands in the injector, whose
+// pushes cannot fail. A segment it could not allocate once ended the process (std::bad_alloc in
+// a noexcept push); now those fibers wait on a list through the fibers themselves.
+TEST_CASE("injector: FIFO across its segments and the spill list used when no segment can be had") {
+  using fiber::detail::Fiber;
+  using fiber::detail::Injector;
+  constexpr std::size_t kBatch = 600;  // more than two segments
+  std::vector<Fiber> fibers(6 * kBatch);
+  std::vector<Fiber*> order;
+  for (Fiber& f : fibers) order.push_back(&f);
+  auto batch = [&](std::size_t k) { return order.data() + k * kBatch; };
+  Injector inj;
+  std::vector<Fiber*> got;
+  auto pop_all = [&](std::size_t step) {
+    std::vector<Fiber*> out(step);
+    while (std::size_t n = inj.pop_batch(out.data(), step)) got.insert(got.end(), out.begin(), out.begin() + n);
+  };
+
+  inj.push_batch(batch(0), kBatch);  // segments
+  {
+    RefuseSegments refuse(1);  // the next segment is refused part-way through this batch
+    inj.push_batch(batch(1), kBatch);
+  }
+  CHECK(Injector::refuse_segments.load() == 0);
+  inj.push_batch(batch(2), kBatch);  // segments could be had, but the spill list is not empty
+  for (std::size_t i = 0; i < kBatch; ++i) inj.push(batch(3)[i]);
+  CHECK(inj.len() == 4 * kBatch);
+  pop_all(37);
+  CHECK(inj.empty());
+  CHECK(got == std::vector<Fiber*>(order.begin(), order.begin() + 4 * kBatch));
+  for (Fiber* f : got) CHECK_MESSAGE(f->next == nullptr, "a popped fiber still links into the spill list");
+
+  // Drained: segments again, and mixing pops with pushes keeps the order.
+  got.clear();
+  {
+    RefuseSegments refuse(1'000'000);
+    inj.push_batch(batch(4), kBatch);  // the spare segment holds the first 253, the rest spill
+    CHECK(inj.pop() == batch(4)[0]);
+  }
+  inj.push_batch(batch(5), kBatch);
+  got.push_back(batch(4)[0]);
+  pop_all(1000);
+  CHECK(got == std::vector<Fiber*>(order.begin() + 4 * kBatch, order.end()));
+  CHECK(inj.pop() == nullptr);
 }

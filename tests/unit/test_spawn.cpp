@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "sched/fiber.hpp"      // current_fiber(): to read the stack size a fiber really got
+#include "sched/injector.hpp"   // Injector::refuse_segments: the global queue out of memory
 #include "sched/processor.hpp"
 #include "test_util.hpp"
 
@@ -853,6 +854,32 @@ TEST_CASE("spawn: 40000 fibers in a row on recycled stacks, then one that takes 
   });
   CHECK(sum == static_cast<long>(kFibers) * (kFibers - 1) / 2);
   CHECK(locked == 1);
+}
+
+// A spawner that never yields overflows its local queue into the global one, half a ring at a
+// time. With no memory for the global queue's segments, that once ended the process.
+TEST_CASE("spawn: a local queue's overflow loses no fiber when the global queue cannot grow") {
+  static constexpr int kFibers = 5000;
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    std::atomic<int> ran{0};
+    int refused = 0;
+    fiber::spawn({.scheduler = &s}, [&] {
+      fiber::WaitGroup wg;
+      wg.add(kFibers);
+      fiber::detail::Injector::refuse_segments.store(1'000'000);
+      for (int i = 0; i < kFibers; ++i) {
+        go go_on(s) [&] {
+          ran.fetch_add(1);
+          wg.done();
+        };
+      }
+      // Each overflow asked for a segment and was refused: the fibers went to the spill list.
+      refused = 1'000'000 - fiber::detail::Injector::refuse_segments.exchange(0);
+      wg.wait();
+    }).join();
+    CHECK(ran.load() == kFibers);
+    CHECK(refused > 0);
+  });
 }
 
 namespace {

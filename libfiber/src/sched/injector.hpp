@@ -5,13 +5,21 @@
 // moving a batch in or out copies pointers and never touches the control blocks, which with a
 // million queued fibers are long out of cache. A mutex guards the segments; an atomic length
 // lets the hot path check emptiness without the lock (Tokio's Inject).
+//
+// Pushes cannot fail (they are noexcept: a wake has nowhere to report an error). When no segment
+// can be had (out of memory), fibers are linked through Fiber::next on a spill list instead,
+// Tokio's way, which needs no memory. Order stays FIFO: while the spill list is not empty every
+// push goes there, and pops drain the segments first, so the segments only ever hold fibers
+// older than the spill list's.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstring>
-#include <deque>
 #include <mutex>
+#include <new>
+#include <utility>
 
 #include "sched/fiber.hpp"
 
@@ -19,6 +27,15 @@ namespace fiber::detail {
 
 class Injector {
  public:
+  Injector() = default;
+  Injector(const Injector&) = delete;
+  Injector& operator=(const Injector&) = delete;
+  ~Injector() {
+    for (Segment* s : {head_, spare_}) {
+      while (s != nullptr) delete std::exchange(s, s->next);
+    }
+  }
+
   // Cheap, racy emptiness hint. Stored under the lock; a processor that sees len > 0 and then
   // takes the lock finds the fibers. Sequentially consistent, for the idle protocol (idle.hpp):
   // a pusher stores the length and then reads the idle counts, a parker updates the counts and
@@ -33,13 +50,12 @@ class Injector {
 
   void push_batch(Fiber* const* fibers, std::size_t n) noexcept {
     std::lock_guard lock(mu_);
-    for (std::size_t i = 0; i < n;) {
-      if (segments_.empty() || segments_.back().end == Segment::kSize) segments_.emplace_back();
-      Segment& s = segments_.back();
-      const std::size_t k = std::min(n - i, Segment::kSize - s.end);
-      std::memcpy(s.items + s.end, fibers + i, k * sizeof(Fiber*));
-      s.end += k;
-      i += k;
+    std::size_t i = spill_head_ == nullptr ? push_segments(fibers, n) : 0;
+    for (; i < n; ++i) {
+      Fiber* f = fibers[i];
+      f->next = nullptr;
+      if (spill_tail_ != nullptr) spill_tail_->next = f; else spill_head_ = f;
+      spill_tail_ = f;
     }
     len_.store(len_.load(std::memory_order_relaxed) + n, std::memory_order_seq_cst);  // see empty()
   }
@@ -54,27 +70,89 @@ class Injector {
     if (empty() || max == 0) return 0;
     std::lock_guard lock(mu_);
     std::size_t n = 0;
-    while (n < max && !segments_.empty()) {
-      Segment& s = segments_.front();
+    while (n < max && head_ != nullptr) {
+      Segment& s = *head_;
       const std::size_t k = std::min(max - n, s.end - s.begin);
       std::memcpy(out + n, s.items + s.begin, k * sizeof(Fiber*));
       s.begin += k;
       n += k;
-      if (s.begin == s.end) segments_.pop_front();
+      if (s.begin == s.end) retire_head();
     }
+    for (; n < max && spill_head_ != nullptr; ++n) {
+      Fiber* f = spill_head_;
+      spill_head_ = f->next;
+      f->next = nullptr;
+      out[n] = f;
+    }
+    if (spill_head_ == nullptr) spill_tail_ = nullptr;
     len_.store(len_.load(std::memory_order_relaxed) - n, std::memory_order_release);
     return n;
   }
 
+  // Tests: while positive, each segment the injector would allocate is refused, as when memory
+  // has run out (and the count goes down by one).
+  static inline std::atomic<int> refuse_segments{0};
+
  private:
   struct Segment {
-    static constexpr std::size_t kSize = 254;
+    static constexpr std::size_t kSize = 253;  // with the header, 2 KiB
+    Segment* next = nullptr;
     std::size_t begin = 0, end = 0;
     Fiber* items[kSize];
   };
 
+  // Appends to the segments as many of fibers[0, n) as it has room for, taking new segments as
+  // needed; returns how many (fewer than n only when no segment can be had). Under mu_.
+  std::size_t push_segments(Fiber* const* fibers, std::size_t n) noexcept {
+    std::size_t i = 0;
+    while (i < n) {
+      if (tail_ == nullptr || tail_->end == Segment::kSize) {
+        Segment* s = take_segment();
+        if (s == nullptr) break;
+        if (tail_ != nullptr) tail_->next = s; else head_ = s;
+        tail_ = s;
+      }
+      const std::size_t k = std::min(n - i, Segment::kSize - tail_->end);
+      std::memcpy(tail_->items + tail_->end, fibers + i, k * sizeof(Fiber*));
+      tail_->end += k;
+      i += k;
+    }
+    return i;
+  }
+
+  // An empty segment: the spare one, or a new one; nullptr when memory has run out. Under mu_.
+  Segment* take_segment() noexcept {
+    if (Segment* s = std::exchange(spare_, nullptr)) return s;
+    int refuse = refuse_segments.load(std::memory_order_relaxed);
+    while (refuse > 0 && !refuse_segments.compare_exchange_weak(refuse, refuse - 1, std::memory_order_relaxed)) {
+    }
+    if (refuse > 0) [[unlikely]] return nullptr;
+    return new (std::nothrow) Segment;
+  }
+
+  // The head segment is used up: kept as the spare when there is none, freed otherwise (a
+  // burst's segments do not stay allocated). Under mu_.
+  void retire_head() noexcept {
+    Segment* s = head_;
+    head_ = s->next;
+    if (head_ == nullptr) tail_ = nullptr;
+    if (spare_ == nullptr) {
+      s->next = nullptr;
+      s->begin = s->end = 0;
+      spare_ = s;
+    } else {
+      delete s;
+    }
+  }
+
   std::mutex mu_;
-  std::deque<Segment> segments_;  // GUARDED_BY(mu_)
+  Segment* head_ = nullptr;   // GUARDED_BY(mu_): oldest segment, popped from
+  Segment* tail_ = nullptr;   // GUARDED_BY(mu_): newest, pushed to
+  Segment* spare_ = nullptr;  // GUARDED_BY(mu_): one empty segment kept for the next push
+  // GUARDED_BY(mu_): fibers pushed when no segment could be had, linked through Fiber::next
+  // (free while a fiber is here: it is in no inbox or pinned queue), oldest first.
+  Fiber* spill_head_ = nullptr;
+  Fiber* spill_tail_ = nullptr;
   std::atomic<std::size_t> len_{0};  // written under mu_
 };
 

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "fiber/detail/wait.hpp"
@@ -91,7 +92,12 @@ __attribute__((noinline)) ThreadParker* this_thread_parker() {
       g_free_parkers = p->next_free;
     }
   }
-  if (!p) p = new ThreadParker();  // never freed: wakers may still hold it
+  if (!p) p = new (std::nothrow) ThreadParker();  // never freed: wakers may still hold it
+  if (!p) [[unlikely]] {
+    // A wait cannot report an error here (a lock may be held): say what ran out.
+    std::fputs("libfiber: out of memory for a plain thread's first blocking wait (its parker)\n", stderr);
+    std::abort();
+  }
   p->token.store(0, std::memory_order_relaxed);
   if (const long key = parker_key(); key >= 0) pthread_setspecific(static_cast<pthread_key_t>(key), p);
   t_parker = p;
