@@ -8,6 +8,7 @@
 #include <chrono>
 #include <functional>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <string>
 #include <vector>
@@ -317,6 +318,37 @@ TEST_CASE("sleep: fibers wake in deadline order (30, 10, 20 ms)") {
       CHECK_FALSE(early);
     }
   });
+}
+
+// Deadlines that pass while the processor is busy are all due at its next timer pass. Each wake
+// took the LIFO slot and pushed the one before it to the back of the queue, so such a batch ran
+// last-first-then-the-rest (3, 0, 1, 2): now it runs in deadline order. One processor, so that
+// nothing else runs them; 40 sleepers, more than one claim batch of the timer queue.
+TEST_CASE("sleep: deadlines that pass together wake in deadline order (1 processor)") {
+  fiber::Scheduler s({.processors = 1, .name = "sleep-order"});
+  constexpr int kSleepers = 40;
+  std::vector<int> woke;  // one processor: no lock needed
+  fiber::spawn({.scheduler = &s}, [&] {
+    const auto t0 = Clock::now() + 30ms;
+    std::vector<fiber::JoinHandle<void>> hs;
+    for (int i = 0; i < kSleepers; ++i) {
+      hs.push_back(fiber::spawn([&, i] {
+        fiber::this_fiber::sleep_until(t0 + std::chrono::microseconds(i));
+        woke.push_back(i);
+      }));
+    }
+    // Busy from before the first deadline until after the last, without a switch: they all
+    // come due in the one timer pass after it.
+    fiber::this_fiber::sleep_until(t0 - 2ms);
+    while (Clock::now() < t0 + std::chrono::microseconds(kSleepers) + 1ms) {
+    }
+    for (auto& h : hs) h.join();
+  }).join();
+  std::vector<int> in_order(kSleepers);
+  std::iota(in_order.begin(), in_order.end(), 0);
+  std::string order;
+  for (int i : woke) order += std::to_string(i) + " ";
+  CHECK_MESSAGE(woke == in_order, "woke in the order " << order);
 }
 
 TEST_CASE("sleep: many fibers with staggered deadlines all wake, none early") {

@@ -34,6 +34,10 @@ void TimerQueue::remove(TimerEntry* e) noexcept {
 std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
   std::size_t woken = 0;
   std::size_t taken = 0;  // entries removed, woken or not (their waiter claimed elsewhere first)
+  // Woken in deadline order. On the processor's thread each wake takes the LIFO slot and pushes
+  // the fiber there before it to the back of the run queue, so the earliest is woken last, to
+  // hold the slot and run first, with the others queued behind it in order.
+  Waiter* earliest = nullptr;
   bool more = next_deadline() <= now;
   while (more && taken < max) {
     // Claim under the lock, wake outside it: a claimed waiter cannot resume until woken, so its
@@ -56,9 +60,16 @@ std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
       more = batch == room && !heap_.empty() && heap_[0]->deadline_ns <= now;
       publish_next();
     }
-    for (std::size_t i = 0; i < n; ++i) waiter_wake(*claimed[i]);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (earliest == nullptr) {
+        earliest = claimed[i];  // claimed, so its record stays valid until woken
+      } else {
+        waiter_wake(*claimed[i]);
+      }
+    }
     woken += n;
   }
+  if (earliest != nullptr) waiter_wake(*earliest);
   return woken;
 }
 
