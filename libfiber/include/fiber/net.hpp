@@ -20,7 +20,7 @@
 // returning an object return a Result<T>, which holds the object or the errno and a message
 // saying what failed. Addresses are "host:port": an IPv4 address, "[IPv6]", "localhost" or
 // another name (resolved on the blocking-offload pool), or "" / "*" for any address. A string
-// that does not parse gives EINVAL.
+// that does not parse gives EINVAL, as does a host with a NUL byte in it or "[]" / "[*]".
 #pragma once
 
 #include <sys/socket.h>

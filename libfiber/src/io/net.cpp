@@ -34,7 +34,7 @@ bool split(std::string_view s, std::string_view& host, std::string_view& port) {
     if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') return false;
     host = s.substr(1, close - 1);
     port = s.substr(close + 2);
-    return true;
+    return !host.empty() && host != "*";  // brackets hold an address, not "any"
   }
   const auto colon = s.rfind(':');
   if (colon == std::string_view::npos) return false;
@@ -154,6 +154,8 @@ Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadlin
   if (!split(host_port, host, port_s)) return parse_error("expected host:port");
   uint16_t port;
   if (!parse_port(port_s, port)) return parse_error("the port is not a number from 0 to 65535");
+  // The C library would see the name end at the NUL: a different host than the one given.
+  if (host.find('\0') != std::string_view::npos) return parse_error("the host contains a NUL byte");
   Address a;
   if (host.empty() || host == "*") {
     auto* in = reinterpret_cast<sockaddr_in*>(&a.storage);
