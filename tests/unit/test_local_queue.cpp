@@ -1138,8 +1138,8 @@ TEST_CASE("injector: FIFO across its segments and the spill list used when no se
   {
     RefuseSegments refuse(1);  // the next segment is refused part-way through this batch
     inj.push_batch(batch(1), kBatch);
+    CHECK(Injector::refuse_segments.load() == 0);  // asked for, refused: the rest spilled
   }
-  CHECK(Injector::refuse_segments.load() == 0);
   inj.push_batch(batch(2), kBatch);  // segments could be had, but the spill list is not empty
   for (std::size_t i = 0; i < kBatch; ++i) inj.push(batch(3)[i]);
   CHECK(inj.len() == 4 * kBatch);
@@ -1153,6 +1153,7 @@ TEST_CASE("injector: FIFO across its segments and the spill list used when no se
   {
     RefuseSegments refuse(1'000'000);
     inj.push_batch(batch(4), kBatch);  // the spare segment holds the first 253, the rest spill
+    CHECK(Injector::refuse_segments.load() == 1'000'000 - 1);  // one refusal, then the list
     CHECK(inj.pop() == batch(4)[0]);
   }
   inj.push_batch(batch(5), kBatch);

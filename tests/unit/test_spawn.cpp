@@ -860,7 +860,7 @@ TEST_CASE("spawn: 40000 fibers in a row on recycled stacks, then one that takes 
 // time. With no memory for the global queue's segments, that once ended the process.
 TEST_CASE("spawn: a local queue's overflow loses no fiber when the global queue cannot grow") {
   static constexpr int kFibers = 5000;
-  for_each_proc_count([](fiber::Scheduler& s, int) {
+  for_each_proc_count([](fiber::Scheduler& s, int procs) {
     std::atomic<int> ran{0};
     int refused = 0;
     fiber::spawn({.scheduler = &s}, [&] {
@@ -878,7 +878,9 @@ TEST_CASE("spawn: a local queue's overflow loses no fiber when the global queue 
       wg.wait();
     }).join();
     CHECK(ran.load() == kFibers);
-    CHECK(refused > 0);
+    // Alone, the spawner fills its ring and overflows for certain; with other processors
+    // stealing from it, it may not.
+    if (procs == 1) CHECK(refused > 0);
   });
 }
 

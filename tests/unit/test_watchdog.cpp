@@ -12,6 +12,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -166,14 +167,22 @@ TEST_CASE("watchdog: a fiber blocked in a raw read(2) does not stop the others; 
         {.processors = 1, .max_processors = 2, .name = "wd-read", .watchdog = fast_watchdog(reports)});
 
     // Sleepers first: they park with their timers on processor 0, which is about to block. A
-    // timer fires only on its processor's thread - or, while that one is blocked, the monitor.
+    // timer fires only on its processor's thread - or, while that one is blocked, the monitor,
+    // which wakes them into the global queue in deadline order (a microsecond apart).
     constexpr int kSleepers = 20;
     std::atomic<int> asleep{0}, woke{0};
+    std::mutex order_mu;
+    std::vector<int> order;
     std::vector<fiber::JoinHandle<void>> hs;
+    const auto t0 = Clock::now() + 30ms;
     for (int i = 0; i < kSleepers; ++i) {
-      hs.push_back(fiber::spawn({.scheduler = &s}, [&] {
+      hs.push_back(fiber::spawn({.scheduler = &s}, [&, i] {
         asleep.fetch_add(1);
-        fiber::this_fiber::sleep_for(30ms);
+        fiber::this_fiber::sleep_until(t0 + std::chrono::microseconds(i));
+        {
+          std::lock_guard lock(order_mu);
+          order.push_back(i);
+        }
         woke.fetch_add(1);
       }));
     }
@@ -203,6 +212,12 @@ TEST_CASE("watchdog: a fiber blocked in a raw read(2) does not stop the others; 
     CHECK_MESSAGE(all, done.load() << " of " << kOthers << " fibers and " << woke.load() << " of " << kSleepers
                                    << " sleepers finished while the reader blocked; reports:\n"
                                    << reports.dump());
+    {
+      std::lock_guard lock(order_mu);
+      std::string seen;
+      for (int i : order) seen += std::to_string(i) + " ";
+      CHECK_MESSAGE(std::is_sorted(order.begin(), order.end()), "sleepers woke in the order " << seen);
+    }
     CHECK_FALSE(reader.finished());  // still in read(2): nobody needed it
     CHECK(s.extra_processors() == 1);  // stands in for the blocked one, and stays while it is blocked
 

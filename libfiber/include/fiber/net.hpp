@@ -88,8 +88,8 @@ struct Address {
 // temporary resolver failure EAGAIN, a system error its errno.
 // The first address of resolve_all().
 FIBER_API Result<Address> resolve(std::string_view host_port, io::Deadline deadline = {});
-// Every IPv4 and IPv6 address a name has, in the resolver's order (glibc sorts them by RFC 6724),
-// each once; a numeric address or "localhost" gives one. Errors as resolve().
+// Every IPv4 and IPv6 address a name has, each once, in the resolver's order (RFC 3484/6724
+// destination sorting); a numeric address or "localhost" gives one. Errors as resolve().
 FIBER_API Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadline deadline = {});
 
 // A connected TCP socket. Move-only; closes its descriptor when destroyed.
@@ -108,8 +108,9 @@ class FIBER_API Stream {
   // A name with several addresses (resolve_all) is tried one address at a time, in order, until
   // one connects, as Go's dialer does: with a deadline, each attempt gets an even share of the
   // time left, and at least 2 s when that much is left, so an address that never answers does
-  // not use it all. On failure the errno is the first attempt's (ETIMEDOUT or ECANCELED if the
-  // deadline or a cancel ended the tries) and the message lists every attempt.
+  // not use it all. On failure the errno is the first attempt's, as Go's; but ECANCELED after a
+  // cancel, and ETIMEDOUT when the deadline passed before every address was tried. The message
+  // lists every attempt.
   static Result<Stream> dial(std::string_view host_port, io::Deadline deadline = {});
 
   // Up to n bytes; 0 when the peer has closed; -errno.

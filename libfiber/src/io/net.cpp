@@ -124,6 +124,20 @@ void nodelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+// The deadline of one connect among several (Go's partial deadline): the time left, shared
+// evenly among the addresses left to try, but at least kMinAttempt when that much is left, so
+// that an address that never answers (its SYNs dropped) still leaves time for the next ones.
+io::Deadline attempt_deadline(io::Deadline overall, std::size_t addresses_left) {
+  using namespace std::chrono;
+  constexpr auto kMinAttempt = duration_cast<steady_clock::duration>(2s);
+  if (overall.is_none() || addresses_left <= 1) return overall;
+  const auto now = steady_clock::now();
+  const auto left = overall.at() - now;
+  auto share = left / static_cast<long>(addresses_left);
+  if (share < kMinAttempt) share = std::min(left, kMinAttempt);
+  return io::Deadline(now + share);
+}
+
 }  // namespace
 
 uint16_t Address::port() const noexcept {
@@ -262,31 +276,23 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   return *this;
 }
 
-// The deadline of one connect among several (Go's partial deadline): the time left, shared
-// evenly among the addresses left to try, but at least kMinAttempt when that much is left, so
-// that an address that never answers (its SYNs dropped) still leaves time for the next ones.
-io::Deadline attempt_deadline(io::Deadline overall, std::size_t addresses_left) {
-  using namespace std::chrono;
-  constexpr auto kMinAttempt = duration_cast<steady_clock::duration>(2s);
-  if (overall.is_none() || addresses_left <= 1) return overall;
-  const auto now = steady_clock::now();
-  const auto left = overall.at() - now;
-  auto share = left / static_cast<long>(addresses_left);
-  if (share < kMinAttempt) share = std::min(left, kMinAttempt);
-  return io::Deadline(now + share);
-}
-
 Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
   auto addrs = resolve_all(host_port, deadline);
   if (!addrs) return Result<Stream>::failure(addrs.error(), addrs.message());
   // Each address in turn until one connects, as Go's dialer does without its parallel IPv4
   // fallback: a name with an IPv6 address on a host without IPv6 routes, or with one server
-  // down, still connects. The errno is the first attempt's, unless the deadline or a cancel
-  // ended the tries; the message lists every attempt.
+  // down, still connects. The errno is the first attempt's (Go's firstErr), unless a cancel
+  // or the deadline passing before every address was tried ended the tries; the message lists
+  // every attempt.
   int err = 0;
   std::string attempts;
   const std::size_t n = addrs->size();
   for (std::size_t i = 0; i < n; ++i) {
+    if (i > 0 && deadline.expired()) {
+      attempts += "; the deadline passed before the other " + std::to_string(n - i) + " address(es)";
+      err = ETIMEDOUT;
+      break;
+    }
     const Address& a = (*addrs)[i];
     const int fd = socket_for(a);
     int rc = fd;
@@ -300,9 +306,9 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
     }
     if (err == 0) err = -rc;
     attempts += (i ? "; " : ": ") + (n > 1 ? a.to_string() + ": " : "") + (fd < 0 ? "socket: " : "") + std::strerror(-rc);
-    if (rc == -ECANCELED || deadline.expired()) {
-      if (i + 1 < n) attempts += "; the other " + std::to_string(n - i - 1) + " address(es) not tried";
-      err = rc == -ECANCELED ? ECANCELED : ETIMEDOUT;
+    if (rc == -ECANCELED) {
+      if (i + 1 < n) attempts += "; cancelled before the other " + std::to_string(n - i - 1) + " address(es)";
+      err = ECANCELED;
       break;
     }
   }

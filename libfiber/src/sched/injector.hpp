@@ -90,7 +90,8 @@ class Injector {
   }
 
   // Tests: while positive, each segment the injector would allocate is refused, as when memory
-  // has run out (and the count goes down by one).
+  // has run out (and the count goes down by one). Internal: reachable from tests because they
+  // link the static library (fiber_internal); the shared library does not export it.
   static inline std::atomic<int> refuse_segments{0};
 
  private:

@@ -6,6 +6,8 @@
 #include <mutex>
 #include <utility>
 
+#include "sched/fiber.hpp"  // current_processor()
+
 namespace fiber::detail {
 
 int64_t steady_now_ns() noexcept {
@@ -36,7 +38,10 @@ std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
   std::size_t taken = 0;  // entries removed, woken or not (their waiter claimed elsewhere first)
   // Woken in deadline order. On the processor's thread each wake takes the LIFO slot and pushes
   // the fiber there before it to the back of the run queue, so the earliest is woken last, to
-  // hold the slot and run first, with the others queued behind it in order.
+  // hold the slot and run first, with the others queued behind it in order. The monitor, which
+  // fires a blocked processor's timers from its own thread, wakes into the global queue, FIFO:
+  // there they go in the order they come.
+  const bool hold_earliest = current_processor() != nullptr;
   Waiter* earliest = nullptr;
   bool more = next_deadline() <= now;
   while (more && taken < max) {
@@ -61,7 +66,7 @@ std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
       publish_next();
     }
     for (std::size_t i = 0; i < n; ++i) {
-      if (earliest == nullptr) {
+      if (hold_earliest && earliest == nullptr) {
         earliest = claimed[i];  // claimed, so its record stays valid until woken
       } else {
         waiter_wake(*claimed[i]);
