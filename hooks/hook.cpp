@@ -52,6 +52,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <fiber/blocking.hpp>
@@ -533,7 +534,9 @@ int accept(int fd, struct sockaddr* addr, socklen_t* len) { return accept4(fd, a
 
 ssize_t read(int fd, void* buf, size_t n) {
   // A length beyond SSIZE_MAX is the real call's EFAULT; recvfrom, our first try, would clamp it.
-  if (may_park() && n <= SSIZE_MAX) {
+  // A length of 0 is the real call's too: read(2) returns 0 at once, where recvfrom would
+  // consume (and lose) a datagram, or on a stream wait for data.
+  if (may_park() && n != 0 && n <= SSIZE_MAX) {
     const ssize_t r = park_read(
         fd, [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, MSG_DONTWAIT, nullptr, nullptr); },
         [&](fiber::io::Deadline d) { return fiber::io::read(fd, buf, n, d); });
@@ -544,8 +547,8 @@ ssize_t read(int fd, void* buf, size_t n) {
 
 ssize_t readv(int fd, const struct iovec* iov, int cnt) {
   // A count the kernel refuses is the real call's EINVAL (recvmsg would read nothing for a
-  // negative one, or say EMSGSIZE).
-  if (may_park() && cnt >= 0 && cnt <= IOV_MAX) {
+  // negative one, or say EMSGSIZE); no buffers at all, its 0 at once (see read).
+  if (may_park() && cnt > 0 && cnt <= IOV_MAX) {
     msghdr m{};
     m.msg_iov = const_cast<iovec*>(iov);
     m.msg_iovlen = static_cast<size_t>(cnt);
@@ -925,8 +928,11 @@ int select_offloaded(select_fn real, int nfds, fd_set* r, fd_set* w, fd_set* e, 
     if (tv) *tv = left;
     if (rc < 0) set_errno(err);
     return rc;
+  } catch (const fiber::Cancelled&) {
+    set_errno(ECANCELED);  // as fiber_poll's: a loop retrying EINTR would spin
+    return -1;
   } catch (...) {
-    set_errno(EINTR);
+    set_errno(ENOMEM);  // no helper thread could be started: select's "cannot allocate"
     return -1;
   }
 }
@@ -967,8 +973,17 @@ int select(int nfds, fd_set* r, fd_set* w, fd_set* e, struct timeval* tv) {
   auto* real = lazy(real_select, "select");
   // Invalid arguments are the kernel's to report (EINVAL), as is a zero timeout.
   if (!may_park() || nfds < 0 || nfds > FD_SETSIZE || (tv && tv->tv_sec == 0 && tv->tv_usec == 0) ||
-      (tv && (tv->tv_sec < 0 || tv->tv_usec < 0 || tv->tv_usec >= 1'000'000))) {
+      (tv && (tv->tv_sec < 0 || tv->tv_usec < 0))) {
     return real(nfds, r, w, e, tv);
+  }
+  // A tv_usec of a second or more is valid: Linux carries it into tv_sec ("tv.tv_usec =
+  // ms * 1000" is common). Normalised here, so that the wait parks like any other; the time
+  // left written back is normalised, as the kernel's is.
+  if (tv && tv->tv_usec >= 1'000'000) {
+    const time_t carry = static_cast<time_t>(tv->tv_usec / 1'000'000);
+    tv->tv_sec = tv->tv_sec > std::numeric_limits<time_t>::max() - carry ? std::numeric_limits<time_t>::max()
+                                                                          : tv->tv_sec + carry;
+    tv->tv_usec %= 1'000'000;
   }
   // As poll: the sets become pollfds, the result goes back into the sets.
   const auto start = std::chrono::steady_clock::now();
@@ -1283,6 +1298,14 @@ int nanosleep(const struct timespec* req, struct timespec* rem) {
   // Invalid requests are the kernel's to report (EFAULT, EINVAL).
   if (!may_park() || req == nullptr || req->tv_nsec < 0 || req->tv_nsec >= 1'000'000'000 || req->tv_sec < 0) {
     return REAL(nanosleep, SYS_nanosleep, req, rem);
+  }
+  // Cancelled already: ECANCELED, not EINTR, or a caller's loop retrying EINTR with the time
+  // left (libstdc++'s sleep_for, most msleep helpers) would spin for the rest of its sleep,
+  // and with nothing left, for ever, holding up stop(). Only a sleep the cancel cut short ends
+  // with EINTR and the time left.
+  if (fiber::this_fiber::cancelled()) {
+    set_errno(ECANCELED);
+    return -1;
   }
   const timespec want = *req;
   const auto start = std::chrono::steady_clock::now();

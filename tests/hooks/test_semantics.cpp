@@ -654,6 +654,98 @@ TEST_CASE("semantics: a cancelled fiber's sleep ends with EINTR and the time lef
   });
 }
 
+// Only the sleep the cancel cut short ends with EINTR. A loop retrying EINTR with the time left
+// (libstdc++'s this_thread::sleep_for, most msleep helpers) once spun for the rest of its sleep,
+// and with nothing left, for ever: nanosleep({0, 0}) kept failing with EINTR, and stop() waited
+// for that fiber. The next sleep of a cancelled fiber is ECANCELED.
+TEST_CASE("semantics: a cancelled fiber's EINTR-retry sleep loops end: its next sleep is ECANCELED") {
+  on_fiber(2, [] {
+    std::atomic<int> entering{0};
+    auto loop = fiber::spawn([&] {
+      timespec ts{30, 0};
+      entering.fetch_add(1);
+      int rc;
+      while ((rc = ::nanosleep(&ts, &ts)) == -1 && errno == EINTR) {
+      }
+      return Res{rc, errno};
+    });
+    auto std_sleep = fiber::spawn([&] {
+      entering.fetch_add(2);
+      std::this_thread::sleep_for(30s);  // libstdc++: the same loop, inside the library
+      return ::usleep(1000) == -1 ? errno : 0;
+    });
+    REQUIRE(wait_for([&] { return entering.load() == 3; }));
+    fiber::this_fiber::sleep_for(20ms);
+    loop.cancel();
+    std_sleep.cancel();
+    const Res r = loop.join();
+    CHECK((r.r == -1 && r.e == ECANCELED));
+    CHECK(std_sleep.join() == ECANCELED);  // and usleep after it too
+
+    auto already = fiber::spawn([] {
+      while (!fiber::this_fiber::cancelled()) {
+        // spin, not sleep: a sleep here would itself throw fiber::Cancelled
+      }
+      const timespec req{1, 0};
+      const Res n = call([&] { return ::nanosleep(&req, nullptr); });
+      return std::make_pair(n, ::sleep(30));
+    });
+    already.cancel();
+    auto [n, left] = already.join();
+    CHECK((n.r == -1 && n.e == ECANCELED));
+    CHECK(left == 0);  // a `while ((left = sleep(left)))` loop ends
+  });
+  CHECK_FALSE(fiber::this_fiber::cancelled());  // a plain thread
+}
+
+// read(2) with a length of 0 returns 0 at once and touches no queue. The hook's first try, a
+// zero-length recvfrom, consumed the next datagram (lost), and on a stream socket waited.
+TEST_CASE("semantics: a zero-length read returns 0 at once and consumes nothing") {
+  on_fiber(1, [] {
+    Pair dg = make_socketpair(0, SOCK_DGRAM);
+    REQUIRE(::send(dg.b, "first", 5, 0) == 5);
+    REQUIRE(::send(dg.b, "second", 6, 0) == 6);
+    char buf[16] = {};
+    CHECK(call([&] { return ::read(dg.a, buf, 0); }).r == 0);
+    CHECK(call([&] { return ::readv(dg.a, nullptr, 0); }).r == 0);
+    CHECK(::read(dg.a, buf, sizeof buf) == 5);
+    CHECK(std::string(buf, 5) == "first");
+
+    Pair st = make_socketpair();
+    auto zero = no_park_call([&] { return ::read(st.a, buf, 0); }, [&] { REQUIRE(::write(st.b, "x", 1) == 1); });
+    CHECK(zero.value == 0);
+    CHECK_FALSE(zero.parked);
+    auto zero_v = no_park_call([&] { return ::readv(st.a, nullptr, 0); }, [&] { REQUIRE(::write(st.b, "y", 1) == 1); });
+    CHECK(zero_v.value == 0);
+    CHECK_FALSE(zero_v.parked);
+  });
+}
+
+// Linux carries a tv_usec of a second or more into tv_sec, so it is a valid timeout
+// (tv.tv_usec = ms * 1000 is common). The hook took it for an invalid one and made the real
+// call, which blocked the processor for the whole timeout.
+TEST_CASE("semantics: select with tv_usec of a second or more parks for the carried timeout") {
+  on_fiber(1, [] {
+    Pair p = make_pipe();
+    fd_set r;
+    timeval tv{0, 1'100'000};
+    auto waited = parked_call(
+        [&] {
+          FD_ZERO(&r);
+          FD_SET(p.a.get(), &r);
+          const auto t0 = Clock::now();
+          const Res res = call([&] { return ::select(p.a + 1, &r, nullptr, nullptr, &tv); });
+          return std::make_pair(res, Clock::now() - t0);
+        },
+        [] {});
+    auto [res, took] = waited.value;
+    CHECK(res.r == 0);  // timed out, nothing ready
+    CHECK(waited.parked);
+    CHECK(took >= 1100ms);  // the whole carried timeout: select never ends early
+    CHECK((tv.tv_sec == 0 && tv.tv_usec == 0));  // the time left, normalised
+  }, 60'000ms, "select carry", quiet_watchdog());
+}
+
 TEST_CASE("semantics: a cancelled fiber's poll, ppoll or select over several descriptors ends with ECANCELED") {
   // Before, several descriptors waited in the kernel's poll on a helper thread, which no cancel
   // reached: the fiber (and Scheduler::stop) waited for a descriptor or the timeout.

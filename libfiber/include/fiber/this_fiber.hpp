@@ -18,6 +18,10 @@ FIBER_API unsigned long long id() noexcept;
 
 // True when called from a fiber.
 FIBER_API bool in_fiber() noexcept;
+// True once the calling fiber has been cancelled (JoinHandle::cancel, a CancelToken, stop()):
+// its blocking calls throw fiber::Cancelled or fail with ECANCELED from then on. A loop that
+// retries an interrupted call can ask this to stop. False from a plain thread.
+FIBER_API bool cancelled() noexcept;
 
 // The calling fiber's name ("" if unnamed). Throws UsageError from a plain thread.
 FIBER_API std::string_view name();

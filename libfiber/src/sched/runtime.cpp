@@ -719,6 +719,11 @@ unsigned long long id() noexcept {
 
 bool in_fiber() noexcept { return detail::current_fiber() != nullptr; }
 
+bool cancelled() noexcept {
+  const detail::Fiber* f = detail::current_fiber();
+  return f != nullptr && f->cancel_requested.load(std::memory_order_acquire);
+}
+
 static detail::Fiber& require_fiber(const char* what) {
   detail::Fiber* f = detail::current_fiber();
   if (f == nullptr) throw UsageError(std::string("fiber::this_fiber::") + what + ": called from a plain thread, not a fiber");
