@@ -36,6 +36,26 @@ TEST_CASE("cancel_token: from a JoinHandle cancels a sleeping fiber, from any th
   });
 }
 
+// A fiber that never blocks learns of its cancel only by asking.
+TEST_CASE("this_fiber::cancelled: false until a cancel, from a token or a handle; false on a plain thread") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (bool by_token : {false, true}) {
+      std::atomic<bool> started{false};
+      auto h = fiber::spawn({.scheduler = &s}, [&] {
+        const bool before = fiber::this_fiber::cancelled();
+        started = true;
+        long spins = 0;
+        while (!fiber::this_fiber::cancelled()) ++spins;  // no blocking call: nothing throws
+        return before;
+      });
+      REQUIRE(wait_for([&] { return started.load(); }));
+      if (by_token) run_on_thread([tok = h.cancel_token()] { tok.cancel(); }); else h.cancel();
+      CHECK_FALSE(h.join());  // not cancelled before: it returned normally, once cancelled
+    }
+  });
+  CHECK_FALSE(fiber::this_fiber::cancelled());
+}
+
 TEST_CASE("cancel_token: this_fiber's token ends a go fiber's blocking recv with -ECANCELED") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     int sv[2];
