@@ -484,8 +484,15 @@ int ring_positional(int fd) noexcept {
   return kind == FdKind::File ? 1 : 0;
 }
 
-// Whether the ring's own read or write suits a descriptor of this kind: sockets, files and (where
-// they take IOCB_NOWAIT: pipes_nowait) pipes. Not for the rest (a tty, an eventfd): the
+// Whether the ring's own read or write *at the file position* suits a descriptor of this kind:
+// sockets and (where they take IOCB_NOWAIT: pipes_nowait) pipes. Not regular files: the ring's
+// current-position op (offset -1) reads the position when it is issued and stores it back when
+// it completes, without the file's position lock that read(2) and write(2) hold, so two writers
+// sharing a descriptor (stdout redirected to a log, fibers on two processors, or one write
+// punted to the ring's workers) wrote at the same offset and lost records, and two readers read
+// the same bytes. Files at their position take the readiness path, which hands them to a helper
+// thread (the plain call, which holds the lock); pread/pwrite at an offset still use the ring
+// (ring_positional). Not the rest either (a tty, an eventfd): the
 // ring makes the call without IOCB_NOWAIT on a file that lacks it (a tty) once a poll of its own
 // says ready - on the processor's thread, in io_uring_enter. Two fibers woken by one byte then
 // both read, and the second blocks its processor in the kernel's tty_read, deaf to cancels,
@@ -494,7 +501,7 @@ int ring_positional(int fd) noexcept {
 // (transfer_ready): about 1.6 us more per pipe round trip, were pipes sent there too. -EBADF's
 // kind goes there too, to fail.
 bool ring_transfers(FdKind kind) noexcept {
-  return kind == FdKind::Socket || kind == FdKind::File || (kind == FdKind::Pipe && pipes_nowait());
+  return kind == FdKind::Socket || (kind == FdKind::Pipe && pipes_nowait());
 }
 
 bool is_nonblocking(int fd) noexcept {
