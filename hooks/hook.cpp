@@ -561,7 +561,8 @@ ssize_t readv(int fd, const struct iovec* iov, int cnt) {
 }
 
 ssize_t pread(int fd, void* buf, size_t n, off_t off) {
-  if (may_park()) {
+  // A length beyond SSIZE_MAX is the real call's EFAULT (fiber::io's pread says EINVAL).
+  if (may_park() && n <= SSIZE_MAX) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
     // Only files have offsets: on a pipe or socket the real call fails with ESPIPE at once.
@@ -840,7 +841,7 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
 }
 
 ssize_t pwrite(int fd, const void* buf, size_t n, off_t off) {
-  if (may_park()) {
+  if (may_park() && n <= SSIZE_MAX) {  // as pread
     FdInfo* i;
     const uint8_t f = learn(fd, i);
     if ((f & kKnown) && !(f & kNonblock) && (f & kSeekable)) return finish(fiber::io::pwrite(fd, buf, n, off));

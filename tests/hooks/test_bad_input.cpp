@@ -60,6 +60,12 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
   const timespec bad_ts{0, 2'000'000'000};
   const timespec neg_ts{-1, 0};
   const sockaddr_storage any{AF_INET, {}, 0};
+  char file_path[] = "/tmp/hook_bad_input_XXXXXX";
+  const int file = ::mkstemp(file_path);  // a regular file: pread/pwrite go to fiber::io's
+  REQUIRE(file >= 0);
+  ::unlink(file_path);
+  int dg[2];  // datagram sockets cannot accept at all: EOPNOTSUPP, not EINVAL
+  REQUIRE(::socketpair(AF_UNIX, SOCK_DGRAM, 0, dg) == 0);
 
   const std::vector<Case> cases = {
       {"read(-1)", [&] { return long(::read(-1, buf, 1)); }, [&] { return ::syscall(SYS_read, -1, buf, 1); }},
@@ -91,7 +97,13 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
        [&] { return ::syscall(SYS_recvfrom, sv[0], buf, 1, MSG_OOB | MSG_ERRQUEUE, nullptr, nullptr); }},
       {"pread(-1)", [&] { return long(::pread(-1, buf, 1, 0)); }, [&] { return ::syscall(SYS_pread64, -1, buf, 1, 0); }},
       {"pread(sock)", [&] { return long(::pread(sv[0], buf, 1, 0)); }, [&] { return ::syscall(SYS_pread64, sv[0], buf, 1, 0); }},
+      {"pread(file, SIZE_MAX)", [&] { return long(::pread(file, buf, SIZE_MAX, 0)); },
+       [&] { return ::syscall(SYS_pread64, file, buf, SIZE_MAX, 0); }},
+      {"pwrite(file, SIZE_MAX)", [&] { return long(::pwrite(file, buf, SIZE_MAX, 0)); },
+       [&] { return ::syscall(SYS_pwrite64, file, buf, SIZE_MAX, 0); }},
       {"accept(-1)", [&] { return long(::accept(-1, nullptr, nullptr)); }, [&] { return ::syscall(SYS_accept4, -1, nullptr, nullptr, 0); }},
+      {"accept(unix datagram)", [&] { return long(::accept(dg[0], nullptr, nullptr)); },
+       [&] { return ::syscall(SYS_accept4, dg[0], nullptr, nullptr, 0); }},
       {"accept(not listening)", [&] { return long(::accept(sv[0], nullptr, nullptr)); },
        [&] { return ::syscall(SYS_accept4, sv[0], nullptr, nullptr, 0); }},
       {"connect(-1)", [&] { return long(::connect(-1, nullptr, 0)); }, [&] { return ::syscall(SYS_connect, -1, nullptr, 0); }},
@@ -129,4 +141,7 @@ TEST_CASE("bad input: hooked calls fail exactly as the real calls do, in fibers 
   ::close(sv[1]);
   ::close(pp[0]);
   ::close(pp[1]);
+  ::close(file);
+  ::close(dg[0]);
+  ::close(dg[1]);
 }

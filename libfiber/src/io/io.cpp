@@ -833,7 +833,15 @@ int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags, Deadline dl) n
   int listening = 1;
   socklen_t len = sizeof listening;
   if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0) return -raw::last_errno();
-  if (listening == 0) return -EINVAL;
+  if (listening == 0) {
+    // The kernel's errno, without its call (which, were another thread to call listen(2) just
+    // now, would block this thread): sockets that cannot accept at all (datagram ones) say
+    // EOPNOTSUPP, stream ones that do not listen EINVAL.
+    int type = SOCK_STREAM;
+    len = sizeof type;
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0) return -raw::last_errno();
+    return type == SOCK_STREAM || type == SOCK_SEQPACKET ? -EINVAL : -EOPNOTSUPP;
+  }
   if (path == Path::Uring) {
     return static_cast<int>(
         detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_accept(s, fd, addr, addrlen, flags); }));
