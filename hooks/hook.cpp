@@ -520,14 +520,18 @@ int connect(int fd, const struct sockaddr* addr, socklen_t len) {
 }
 
 int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
-  if (!may_park()) return REAL(accept4, SYS_accept4, fd, addr, len, flags);
+  // The new number may have held something else: whatever was cached about it goes, on every
+  // path (as for socket and open).
+  const auto forgotten = [](int r) {
+    if (r >= 0) forget(r);
+    return r;
+  };
+  if (!may_park()) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNonblock)) return REAL(accept4, SYS_accept4, fd, addr, len, flags);
+  if (!(f & kKnown) || (f & kNonblock)) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
   const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
-  const int r = finish(fiber::io::accept(fd, addr, len, flags, d), d);
-  if (r >= 0) forget(r);
-  return r;
+  return forgotten(finish(fiber::io::accept(fd, addr, len, flags, d), d));
 }
 
 int accept(int fd, struct sockaddr* addr, socklen_t* len) { return accept4(fd, addr, len, 0); }
@@ -572,10 +576,11 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off) {
 }
 ssize_t pread64(int fd, void* buf, size_t n, off_t off) { return pread(fd, buf, n, off); }
 
-// MSG_ERRQUEUE reads the error queue, which never waits: the real call. The fiber receives go
+// MSG_ERRQUEUE reads the error queue and MSG_OOB the urgent byte, neither of which ever waits
+// (no urgent byte yet: EAGAIN or EINVAL at once): the real call. The fiber receives go
 // without MSG_WAITALL, which park_read_all does itself (and which a message socket ignores).
 ssize_t recv(int fd, void* buf, size_t n, int flags) {
-  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
+  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE | MSG_OOB))) {
     auto now = [&] { return REAL(recvfrom, SYS_recvfrom, fd, buf, n, flags | MSG_DONTWAIT, nullptr, nullptr); };
     auto wait = [&](fiber::io::Deadline d) { return fiber::io::recv(fd, buf, n, flags & ~MSG_WAITALL, d); };
     iovec iov{buf, n};
@@ -590,7 +595,7 @@ ssize_t recv(int fd, void* buf, size_t n, int flags) {
 
 ssize_t recvmsg(int fd, struct msghdr* msg, int flags) {
   ssize_t r = -2;
-  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
+  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE | MSG_OOB))) {
     auto now = [&] { return REAL(recvmsg, SYS_recvmsg, fd, msg, flags | MSG_DONTWAIT); };
     auto wait = [&](fiber::io::Deadline d) { return fiber::io::recvmsg(fd, msg, flags & ~MSG_WAITALL, d); };
     // A null msg is the real call's EFAULT (through park_read's first try).
@@ -603,7 +608,7 @@ ssize_t recvmsg(int fd, struct msghdr* msg, int flags) {
 
 ssize_t recvfrom(int fd, void* buf, size_t n, int flags, struct sockaddr* addr, socklen_t* len) {
   if (addr == nullptr) return recv(fd, buf, n, flags);
-  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE))) {
+  if (may_park() && !(flags & (MSG_DONTWAIT | MSG_ERRQUEUE | MSG_OOB))) {
     iovec iov{buf, n};
     msghdr m{};
     m.msg_name = addr;
@@ -1013,7 +1018,10 @@ int select(int nfds, fd_set* r, fd_set* w, fd_set* e, struct timeval* tv) {
 // ---- descriptors
 
 int close(int fd) {
+  // Forgotten before (no call may go on using the cache once we start) and after: a lookup
+  // racing the close could have cached the closing file again in between (as close_range).
   forget(fd);
+  int rc;
   // Always through the runtime (also from plain threads): fibers waiting on `fd` must wake.
   // io::close allocates nothing and, with no fiber ever having waited, is the plain close.
   // In a forked child the runtime's threads and fibers do not exist: nothing there can wait on
@@ -1021,9 +1029,12 @@ int close(int fd) {
   // In a signal handler likewise: a handler must not park, nor take the runtime's locks, which
   // the code it interrupted may hold; fibers waiting on `fd` then see what the kernel does.
   if (!g_resolved.load(std::memory_order_acquire) || g_forked_child.load(std::memory_order_relaxed) || t_in_signal > 0) {
-    return static_cast<int>(::syscall(SYS_close, fd));
+    rc = static_cast<int>(::syscall(SYS_close, fd));
+  } else {
+    rc = finish(fiber::io::close(fd));
   }
-  return finish(fiber::io::close(fd));
+  forget(fd);  // stores to the table only: errno stays the close's
+  return rc;
 }
 
 int fcntl(int fd, int cmd, ...) {
