@@ -236,8 +236,8 @@ Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadlin
     return Result<Addresses>::failure(err, "fiber::net: cannot resolve " + quoted(host) + ": " +
                                                (lk->rc == EAI_SYSTEM ? std::strerror(err) : gai_strerror(lk->rc)));
   }
-  // Every IPv4 and IPv6 address, in the resolver's order (RFC 6724's, for glibc), each once:
-  // without a socktype hint's effect on some resolvers, an address can come once per protocol.
+  // Every IPv4 and IPv6 address, each once, in the resolver's order (RFC 3484/6724 destination
+  // sorting, as resolve_all's header says): a name listed twice (/etc/hosts) gives one twice.
   Addresses all;
   for (const addrinfo* ai = lk->res; ai != nullptr; ai = ai->ai_next) {
     const int family = ai->ai_addr ? ai->ai_addr->sa_family : AF_UNSPEC;
@@ -305,7 +305,9 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
       }
     }
     if (err == 0) err = -rc;
-    attempts += (i ? "; " : ": ") + (n > 1 ? a.to_string() + ": " : "") + (fd < 0 ? "socket: " : "") + std::strerror(-rc);
+    attempts += i ? "; " : ": ";
+    if (n > 1) attempts += a.to_string() + ": ";
+    attempts += std::string(fd < 0 ? "socket: " : "") + std::strerror(-rc);
     if (rc == -ECANCELED) {
       if (i + 1 < n) attempts += "; cancelled before the other " + std::to_string(n - i - 1) + " address(es)";
       err = ECANCELED;

@@ -631,9 +631,9 @@ bool Processor::maintenance() noexcept {
       }
     } else if (!queue_.has_tasks() && !yielded_.occupied_for_owner() && pinned_head_ == nullptr) {
       // Past the LIFO limit with nobody queued to starve (the yield slot's and the pinned
-      // queue's fibers count as queued): next_local() would move the LIFO fiber to the back of the empty ring and pop
-      // it again (a push and a CAS for a ping-pong pair every fourth switch). Take it as that
-      // queue pick.
+      // queue's fibers count as queued): next_local() would move the LIFO fiber to the back of
+      // the empty ring and pop it again (a push and a CAS for a ping-pong pair every fourth
+      // switch). Take it as that queue pick.
       if (Fiber* f = take_lifo()) {
         lifo_in_a_row_ = 0;
         return f;
