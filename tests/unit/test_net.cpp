@@ -24,6 +24,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <iterator>
 #include <random>
@@ -458,7 +459,7 @@ TEST_CASE("net: addresses that do not parse and backlog 0 give EINVAL naming the
     const int before = held_fd_count();
     for (int round = 0; round < 3; ++round) {
       // The last: the C library would resolve "ok.resolver.test", a host other than the one given.
-      for (const std::string bad : std::initializer_list<std::string>{
+      for (const std::string& bad : std::initializer_list<std::string>{
                "nohost", "1.2.3.4:99999", "1.2.3.4:-1", "[::1", "", "1.2.3.4:", ":", "::1:80", "[::1]80", "1.2.3.4:80x",
                "1.2.3.4:123456", "[::1]:", "1.2.3.4: 80", "[]:80", "[*]:80", std::string("ok.resolver.test\0.evil:80", 25)}) {
         const std::string quoted = "'" + bad + "'";
@@ -841,6 +842,163 @@ TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBA
       other.join();
     }
   });
+}
+
+namespace {
+
+// Whether plain thread `tid` of this process is asleep in the kernel (state S in its stat line).
+bool thread_asleep(pid_t tid) {
+  std::FILE* f = std::fopen(("/proc/self/task/" + std::to_string(tid) + "/stat").c_str(), "r");
+  if (f == nullptr) return false;
+  char line[512] = {};
+  const bool read = std::fgets(line, sizeof line, f) != nullptr;
+  std::fclose(f);
+  const char* end = read ? std::strrchr(line, ')') : nullptr;  // the name may hold spaces
+  return end != nullptr && end[1] == ' ' && end[2] == 'S';
+}
+
+// Whether the peer of `s` sees the end of the stream within a short wait (false: still open).
+bool peer_sees_end(net::Stream& s) {
+  char c;
+  const ssize_t r = s.read(&c, 1, 50ms);
+  REQUIRE((r == 0 || r == -ETIMEDOUT));
+  return r == 0;
+}
+
+}  // namespace
+
+// A call holds the stream (OwnedFd::Use) from before it reads the descriptor number to after
+// its last system call. Without that, a close() running between the read of the number and the
+// call freed the number, and the call acted on whatever the kernel gave it to next.
+TEST_CASE("net: close waits for a call between reading the number and using it, and later calls get EBADF") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    StreamPair p = stream_pair();
+    const int fd = p.server.fd();
+    fiber::detail::OwnedFd owned(p.server.release());
+    std::atomic<bool> holding{false};
+    fiber::Latch done_holding(1);
+    // A fiber that has read the number (the Use) and not yet made its call.
+    auto holder = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::detail::OwnedFd::Use use(owned);
+      holding = true;
+      done_holding.wait();
+      // The number is still this socket's: nothing can have reused it.
+      CHECK(use.fd() == fd);
+      CHECK(::send(use.fd(), "held", 4, MSG_NOSIGNAL) == 4);
+    });
+    REQUIRE(wait_for([&] { return holding.load(); }));
+    std::atomic<bool> closed{false};
+    auto closer = fiber::spawn({.scheduler = &s}, [&] {
+      const int rc = owned.close();
+      closed = true;
+      return rc;
+    });
+    // Once close() has begun, a call starting gets no number. (Asked from a fiber: a plain
+    // thread's call still counted when close() looks would have it shut the socket down.)
+    auto late = fiber::spawn({.scheduler = &s}, [&] {
+      return wait_for([&] {
+        fiber::detail::OwnedFd::Use use(owned);
+        return use.fd() == -1;
+      });
+    });
+    REQUIRE(late.join());
+    fiber::this_fiber::sleep_for(20ms);
+    CHECK_FALSE(closed.load());  // waiting for the holder
+    CHECK_FALSE(peer_sees_end(p.client));  // and a fiber's call is not ended by a shutdown
+    done_holding.count_down();
+    CHECK(closer.join() == 0);
+    holder.join();
+    char buf[4];
+    CHECK(p.client.read_exact(buf, 4, patience()) == 4);
+    CHECK(std::string(buf, 4) == "held");
+    CHECK(peer_sees_end(p.client));
+    CHECK(owned.get() == -1);
+    CHECK(owned.close() == 0);  // again: nothing to close
+  });
+}
+
+TEST_CASE("net: close ends a plain thread's blocking read and accept, and returns after they do") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    // A read blocked in recv(2), without a deadline: the close shuts the socket down, which ends
+    // it as if the peer had gone (close(2) alone leaves it blocked for good).
+    {
+      StreamPair p = stream_pair();
+      std::atomic<pid_t> tid{0};
+      ssize_t got = 1;
+      std::thread reader([&] {
+        char buf[16];
+        tid = os_tid();
+        got = p.server.read(buf, sizeof buf);
+      });
+      REQUIRE(wait_for([&] { return tid.load() != 0 && thread_asleep(tid.load()); }));
+      auto h = fiber::spawn({.scheduler = &s}, [&] { return p.server.close(); });
+      CHECK(h.join() == 0);
+      reader.join();
+      CHECK(got == 0);
+      CHECK(peer_sees_end(p.client));
+    }
+    // An accept blocked in accept4(2): it fails with EINVAL (a listener shut down).
+    {
+      auto ln = net::Listener::listen("127.0.0.1:0");
+      REQUIRE(ln.ok());
+      std::atomic<pid_t> tid{0};
+      int err = 0;
+      std::thread acceptor([&] {
+        tid = os_tid();
+        err = ln->accept().error();
+      });
+      REQUIRE(wait_for([&] { return tid.load() != 0 && thread_asleep(tid.load()); }));
+      auto h = fiber::spawn({.scheduler = &s}, [&] { return ln->close(); });
+      CHECK(h.join() == 0);
+      acceptor.join();
+      CHECK(err == EINVAL);
+    }
+  });
+}
+
+// Closes racing a reader that is busy reading, each closed number handed at once to a new
+// connection whose ends both send other bytes: no read may return those bytes.
+TEST_CASE("net: reads racing a close never read the connection that reuses the number") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    constexpr int kRounds = 200;
+    constexpr std::size_t kMine = 16 * 1024;
+    auto ln = net::Listener::listen("127.0.0.1:0");
+    REQUIRE(ln.ok());
+    int foreign = 0;
+    for (int round = 0; round < kRounds; ++round) {
+      StreamPair p = stream_pair(*ln);
+      REQUIRE(p.client.write_all(std::string(kMine, 'm').data(), kMine) == static_cast<ssize_t>(kMine));
+      std::atomic<std::size_t> got{0};
+      auto reader = fiber::spawn({.scheduler = &s}, [&] {
+        char buf[16];
+        std::string seen;
+        ssize_t r;
+        while ((r = p.server.read(buf, sizeof buf, patience())) > 0) {
+          seen.append(buf, static_cast<size_t>(r));
+          got.store(seen.size());
+        }
+        return seen;
+      });
+      // The closer is a plain thread, so it runs truly alongside the reader. The new
+      // connection's two sockets take the lowest free numbers, the closed one among them, and
+      // both ends send, so whichever took it has bytes to read.
+      net::Stream dialled, accepted;
+      std::thread closer([&] {
+        while (got.load() == 0) std::this_thread::yield();
+        p.server.close();
+        if (auto d = net::Stream::dial(loopback_str(ln->port()), patience())) dialled = std::move(*d);
+        if (auto a = ln->accept(patience())) accepted = std::move(*a);
+        dialled.write_all("THEIRS", 6);
+        accepted.write_all("THEIRS", 6);
+      });
+      closer.join();
+      REQUIRE(dialled.is_open());
+      REQUIRE(accepted.is_open());
+      const std::string seen = reader.join();
+      if (seen.find_first_not_of('m') != std::string::npos) ++foreign;
+    }
+    CHECK(foreign == 0);
+  }, {1, 2});
 }
 
 // ------------------------------------------------------------------------------ EMFILE

@@ -37,6 +37,77 @@
 #include "fiber/config.hpp"
 #include "fiber/io.hpp"
 
+namespace fiber::detail {
+
+struct Waiter;
+
+// The descriptor a Stream or a Listener owns, with a count of the calls in progress on it, so
+// that close() frees the number only once none of them can still act on it (Go's fdMutex,
+// reduced to what close needs). Without it, a call that had read the number but not yet started
+// its system call when another fiber or thread closed the stream could act on whatever the
+// kernel gave that number to next: another connection's bytes.
+//
+// users_: the top bit is set, once and for good, by the first close(); below it, two counts of
+// the calls holding a Use: plain threads' (bits 32-62) and fibers' (bits 0-31). A call counts
+// itself in and then checks the bit: set, it fails with EBADF without touching the number;
+// clear, close() cannot free the number before the call counts itself out. close() sets the
+// bit, wakes the fibers waiting on the descriptor (io::close's drain: from then on no fiber's
+// call can wait on it), shuts the socket down if a plain thread's call remains (nothing else
+// ends a thread's blocking call), and waits for both counts to reach zero: the call that brings
+// them there, with the bit set, wakes the closer through closer_. Both sides' two steps are
+// seq_cst, so either the closer sees zero or the last call sees the closer.
+class FIBER_API OwnedFd {
+ public:
+  OwnedFd() noexcept = default;
+  explicit OwnedFd(int fd) noexcept : fd_(fd) {}
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+
+  // A call's hold on the descriptor for its whole length: fd() is the number, or -1 once close()
+  // has begun (or after release()).
+  class Use {
+   public:
+    explicit Use(OwnedFd& o) noexcept : owner_(o), fd_(o.enter(unit_)) {}
+    ~Use() { owner_.leave(unit_); }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+    int fd() const noexcept { return fd_; }
+
+   private:
+    OwnedFd& owner_;
+    uint64_t unit_ = 0;  // what this call added to users_ (set by enter, before fd_)
+    int fd_;
+  };
+
+  int get() const noexcept { return fd_.load(std::memory_order_relaxed); }
+  // Gives up ownership: the number, or -1. Not while calls are in progress.
+  int release() noexcept { return fd_.exchange(-1, std::memory_order_relaxed); }
+  // Owns `fd` afresh, after close() or release() (a move assignment). Not while calls are in
+  // progress.
+  void reset(int fd) noexcept {
+    users_.store(0, std::memory_order_relaxed);
+    fd_.store(fd, std::memory_order_relaxed);
+  }
+  // Closes as described above: 0 or close(2)'s -errno; 0 if there was nothing to close or
+  // another close() got there first.
+  int close() noexcept;
+
+ private:
+  static constexpr uint64_t kClosing = uint64_t{1} << 63;
+  static constexpr uint64_t kThreadCall = uint64_t{1} << 32;
+  static constexpr uint64_t kFiberCalls = kThreadCall - 1;
+  int enter(uint64_t& unit) noexcept;
+  void leave(uint64_t unit) noexcept;
+  void wake_closer() noexcept;
+  static void wait_for_users(void* self) noexcept;
+
+  std::atomic<int> fd_{-1};
+  std::atomic<uint64_t> users_{0};
+  std::atomic<Waiter*> closer_{nullptr};  // a close() waiting for the count to reach zero
+};
+
+}  // namespace fiber::detail
+
 namespace fiber::net {
 
 // An object, or the errno and a message saying why there is none.
@@ -115,7 +186,7 @@ class FIBER_API Stream {
 
   // Up to n bytes; 0 when the peer has closed; -errno.
   ssize_t read(void* buf, size_t n, io::Deadline deadline = {}) noexcept;
-  ssize_t write(const void* buf, size_t n, io::Deadline deadline = {}) noexcept { return io::send(fd(), buf, n, 0, deadline); }
+  ssize_t write(const void* buf, size_t n, io::Deadline deadline = {}) noexcept;
   // Exactly n bytes: returns n; fewer if the peer closed first (the count read); -errno on an
   // error (the bytes read before it are in buf, their count is lost). A signal interrupting a
   // plain thread's wait (EINTR) does not end it.
@@ -124,25 +195,29 @@ class FIBER_API Stream {
   ssize_t write_all(const void* buf, size_t n, io::Deadline deadline = {}) noexcept;
   // shutdown(2): SHUT_WR sends end-of-stream to the peer. 0 or -errno.
   int shutdown(int how = SHUT_WR) noexcept;
-  // Closes now (as io::close: wakes fibers waiting on it; calls made after it returns fail with
-  // EBADF). 0 or -errno; 0 if already closed. The one call that may run while other fibers use
-  // the stream. (A call that has already read the descriptor number but not yet started its
-  // operation when close() runs may still act on that number, as with close(2) itself.)
+  // Closes it: the one call that may run while other fibers or threads use the stream, the way
+  // to stop a reader. Calls made from then on fail with EBADF. Calls in progress end first, and
+  // close() returns once they have (so none can act on a number the kernel has reused): a fiber's
+  // with -EBADF (as io::close wakes them); if any is still running then, such as a plain thread's
+  // blocking read, close() shuts the socket down (shutdown(2), both ways), which ends it as if the
+  // peer had gone (0, -EPIPE). 0 or -errno; 0 if already closed, or being closed by another call.
   int close() noexcept;
   int set_nodelay(bool on) noexcept;
 
-  int fd() const noexcept { return fd_.load(std::memory_order_relaxed); }
+  // The number, for calls of your own; close() does not wait for those (as with close(2)).
+  int fd() const noexcept { return fd_.get(); }
   bool is_open() const noexcept { return fd() >= 0; }
-  // Gives up ownership of the descriptor.
-  int release() noexcept { return fd_.exchange(-1, std::memory_order_relaxed); }
+  // Gives up ownership of the descriptor (not while other calls are in progress on it).
+  int release() noexcept { return fd_.release(); }
   Result<Address> peer_address() const;
 
  private:
   friend class Listener;
   Stream(int fd, bool known_socket) noexcept : fd_(fd), known_socket_(known_socket) {}
-  // Atomic because close() may run while another fiber is in a call (relaxed: the descriptor's
-  // own synchronisation is io::close's; this only makes the number's read well defined).
-  std::atomic<int> fd_{-1};
+  ssize_t read_on(int fd, void* buf, size_t n, io::Deadline deadline) noexcept;
+  // The descriptor and the count of calls in progress on it; mutable so that const calls
+  // (peer_address) count themselves in too.
+  mutable detail::OwnedFd fd_;
   // Made by dial() or accept(), so certainly a socket: read() may let the kernel wait for data
   // before its first attempt (see libfiber/src/io/io.cpp, ring_op). A descriptor handed to
   // Stream(int) is not trusted with that: on a pipe it would wait instead of failing (ENOTSOCK).
@@ -153,7 +228,7 @@ class FIBER_API Stream {
 class FIBER_API Listener {
  public:
   Listener() noexcept = default;
-  Listener(Listener&& o) noexcept : fd_(o.fd_.exchange(-1, std::memory_order_relaxed)), port_(o.port_) {}
+  Listener(Listener&& o) noexcept : fd_(o.fd_.release()), port_(o.port_) {}
   Listener& operator=(Listener&& o) noexcept;
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
@@ -165,15 +240,15 @@ class FIBER_API Listener {
   // The next connection (TCP_NODELAY set). Fails with -EMFILE/-ENFILE when out of descriptors:
   // the caller should back off and retry (see samples/echo_server.cpp).
   Result<Stream> accept(io::Deadline deadline = {});
-  // Closes now, waking a fiber waiting in accept() (which then fails with EBADF); may run while
-  // another fiber uses the listener.
+  // Closes it, as Stream::close: may run while other fibers or threads are in accept(), which
+  // then fails with EBADF (a fiber's) or EINVAL (a plain thread's, ended by shutdown(2)).
   int close() noexcept;
 
   uint16_t port() const noexcept { return port_; }
-  int fd() const noexcept { return fd_.load(std::memory_order_relaxed); }
+  int fd() const noexcept { return fd_.get(); }
 
  private:
-  std::atomic<int> fd_{-1};  // atomic as Stream's
+  detail::OwnedFd fd_;  // as Stream's
   uint16_t port_ = 0;
 };
 

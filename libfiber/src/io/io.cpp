@@ -674,6 +674,46 @@ ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, 
 }  // namespace
 
 ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept { return recv_on(fd, buf, n, 0, dl, true); }
+
+int close_draining(int fd, void (*before_close)(void*), void* ctx) noexcept {
+  // No slot yet: no fiber operation was ever listed on this descriptor's range.
+  FdSlot* slot = fd_table().find(fd);
+  if (slot == nullptr) {
+    if (before_close) before_close(ctx);
+    return static_cast<int>(raw::close(fd));
+  }
+  std::unique_lock lock(slot->lock);
+  if (slot->closing) return -EBADF;  // closed twice, concurrently
+  slot->closing = true;
+  // Wake every fiber still waiting on it; each withdraws its operation and unlists itself.
+  for (IoOp* op = slot->ops; op; op = op->slot_next) {
+    op->closed.store(true, std::memory_order_relaxed);
+    waiter_notify(op->w, WakeReason::Cancelled);
+  }
+  while (slot->ops != nullptr) {
+    Waiter w;
+    // Shielded: the close must finish even if the closing fiber is cancelled meanwhile.
+    waiter_prepare_shielded(w);
+    slot->closers.push_back(&w);
+    lock.unlock();
+    waiter_wait(w, ParkReason::IO);
+    lock.lock();
+    slot->closers.remove_if_queued(&w);
+  }
+  if (before_close) {
+    // It may wait, so not under the lock. Nothing can list itself meanwhile: the slot is closing.
+    lock.unlock();
+    before_close(ctx);
+    lock.lock();
+  }
+  // Still under the lock: once closed, the kernel may hand the number to a new descriptor at
+  // once, and an operation (or close) on that one must not find the slot still closing.
+  const int rc = static_cast<int>(raw::close(fd));
+  slot->closing = false;
+  // The number's next descriptor starts afresh.
+  slot->recv_backlog.store(false, std::memory_order_relaxed);
+  return rc;
+}
 }  // namespace fiber::detail
 
 namespace fiber::io {
@@ -935,37 +975,6 @@ int poll(pollfd* fds, nfds_t n, Deadline dl) noexcept {
   return detail::poll_set(f, fds, n, dl);
 }
 
-int close(int fd) noexcept {
-  // No slot yet: no fiber operation was ever listed on this descriptor's range.
-  detail::FdSlot* slot = detail::fd_table().find(fd);
-  if (slot == nullptr) return static_cast<int>(raw::close(fd));
-  {
-    std::unique_lock lock(slot->lock);
-    if (slot->closing) return -EBADF;  // closed twice, concurrently
-    slot->closing = true;
-    // Wake every fiber still waiting on it; each withdraws its operation and unlists itself.
-    for (detail::IoOp* op = slot->ops; op; op = op->slot_next) {
-      op->closed.store(true, std::memory_order_relaxed);
-      detail::waiter_notify(op->w, detail::WakeReason::Cancelled);
-    }
-    while (slot->ops != nullptr) {
-      detail::Waiter w;
-      // Shielded: the close must finish even if the closing fiber is cancelled meanwhile.
-      detail::waiter_prepare_shielded(w);
-      slot->closers.push_back(&w);
-      lock.unlock();
-      detail::waiter_wait(w, detail::ParkReason::IO);
-      lock.lock();
-      slot->closers.remove_if_queued(&w);
-    }
-    // Still under the lock: once closed, the kernel may hand the number to a new descriptor at
-    // once, and an operation (or close) on that one must not find the slot still closing.
-    const int rc = static_cast<int>(raw::close(fd));
-    slot->closing = false;
-    // The number's next descriptor starts afresh.
-    slot->recv_backlog.store(false, std::memory_order_relaxed);
-    return rc;
-  }
-}
+int close(int fd) noexcept { return detail::close_draining(fd, nullptr, nullptr); }
 
 }  // namespace fiber::io

@@ -1,6 +1,7 @@
 // fiber::net: TCP over fiber::io. See fiber/net.hpp.
 #include "fiber/net.hpp"
 
+#include "fiber/detail/wait.hpp"
 #include "fiber/error.hpp"
 #include "fiber/semaphore.hpp"
 #include "io/blocking_pool.hpp"
@@ -270,7 +271,7 @@ Result<Address> resolve(std::string_view host_port, io::Deadline deadline) {
 Stream& Stream::operator=(Stream&& o) noexcept {
   if (this != &o) {
     close();
-    fd_.store(o.release(), std::memory_order_relaxed);
+    fd_.reset(o.release());
     known_socket_ = o.known_socket_;
   }
   return *this;
@@ -317,15 +318,30 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
   return Result<Stream>::failure(err, "fiber::net::Stream::dial " + quoted(host_port) + attempts);
 }
 
+// Every call below holds a Use for its whole length, loops included: see OwnedFd. A Use taken
+// once close() has begun holds -1, which every call turns into EBADF.
+
+ssize_t Stream::read_on(int fd, void* buf, size_t n, io::Deadline deadline) noexcept {
+  if (fd < 0) return -EBADF;
+  return known_socket_ ? detail::recv_socket(fd, buf, n, deadline) : io::recv(fd, buf, n, 0, deadline);
+}
+
 ssize_t Stream::read(void* buf, size_t n, io::Deadline deadline) noexcept {
-  return known_socket_ ? detail::recv_socket(fd(), buf, n, deadline) : io::recv(fd(), buf, n, 0, deadline);
+  const detail::OwnedFd::Use use(fd_);
+  return read_on(use.fd(), buf, n, deadline);
+}
+
+ssize_t Stream::write(const void* buf, size_t n, io::Deadline deadline) noexcept {
+  const detail::OwnedFd::Use use(fd_);
+  return use.fd() < 0 ? -EBADF : io::send(use.fd(), buf, n, 0, deadline);
 }
 
 ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept {
+  const detail::OwnedFd::Use use(fd_);
   auto* p = static_cast<char*>(buf);
   size_t got = 0;
   while (got < n) {
-    const ssize_t r = read(p + got, n - got, deadline);
+    const ssize_t r = read_on(use.fd(), p + got, n - got, deadline);
     if (r == -EINTR) continue;  // a plain thread's signal handler ran: the count is not lost
     if (r < 0) return r;
     if (r == 0) break;
@@ -335,10 +351,12 @@ ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept 
 }
 
 ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noexcept {
+  const detail::OwnedFd::Use use(fd_);
+  if (use.fd() < 0) return -EBADF;
   const auto* p = static_cast<const char*>(buf);
   size_t sent = 0;
   while (sent < n) {
-    const ssize_t r = io::send(fd(), p + sent, n - sent, 0, deadline);
+    const ssize_t r = io::send(use.fd(), p + sent, n - sent, 0, deadline);
     if (r == -EINTR) continue;  // as read_exact
     if (r < 0) return r;
     sent += static_cast<size_t>(r);
@@ -346,32 +364,27 @@ ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noex
   return static_cast<ssize_t>(sent);
 }
 
-int Stream::shutdown(int how) noexcept { return ::shutdown(fd(), how) == 0 ? 0 : -raw::last_errno(); }
-
-namespace {
-// Stream::close and Listener::close, possibly while another fiber is in a call on it. The number
-// goes first: a call that reads it after this (a read_exact going round its loop) sees -1 and
-// fails with EBADF instead of using a number the close may free for another file. Calls already
-// listed on the descriptor are woken by io::close. One between reading the number and listing
-// itself is not covered (that needs a count of calls in progress per Stream).
-int close_owned(std::atomic<int>& owned) noexcept {
-  const int fd = owned.exchange(-1, std::memory_order_relaxed);
-  return fd < 0 ? 0 : io::close(fd);
+int Stream::shutdown(int how) noexcept {
+  const detail::OwnedFd::Use use(fd_);
+  if (use.fd() < 0) return -EBADF;
+  return ::shutdown(use.fd(), how) == 0 ? 0 : -raw::last_errno();
 }
-}  // namespace
 
-int Stream::close() noexcept { return close_owned(fd_); }
+int Stream::close() noexcept { return fd_.close(); }
 
 int Stream::set_nodelay(bool on) noexcept {
+  const detail::OwnedFd::Use use(fd_);
+  if (use.fd() < 0) return -EBADF;
   const int v = on ? 1 : 0;
-  return setsockopt(fd(), IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -raw::last_errno();
+  return setsockopt(use.fd(), IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -raw::last_errno();
 }
 
 Result<Address> Stream::peer_address() const {
+  const detail::OwnedFd::Use use(fd_);
   Address a;
   a.len = sizeof a.storage;
-  if (getpeername(fd(), reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
-    const int err = raw::last_errno();
+  if (use.fd() < 0 || getpeername(use.fd(), reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+    const int err = use.fd() < 0 ? EBADF : raw::last_errno();
     return Result<Address>::failure(err, std::string("fiber::net::Stream::peer_address: ") + std::strerror(err));
   }
   return a;
@@ -382,7 +395,7 @@ Result<Address> Stream::peer_address() const {
 Listener& Listener::operator=(Listener&& o) noexcept {
   if (this != &o) {
     close();
-    fd_.store(o.fd_.exchange(-1, std::memory_order_relaxed), std::memory_order_relaxed);
+    fd_.reset(o.fd_.release());
     port_ = o.port_;
   }
   return *this;
@@ -410,18 +423,71 @@ Result<Listener> Listener::listen(std::string_view host_port, int backlog) {
   bound.len = sizeof bound.storage;
   if (getsockname(fd, reinterpret_cast<sockaddr*>(&bound.storage), &bound.len) != 0) return fail("getsockname");
   Listener l;
-  l.fd_.store(fd, std::memory_order_relaxed);
+  l.fd_.reset(fd);
   l.port_ = bound.port();
   return l;
 }
 
 Result<Stream> Listener::accept(io::Deadline deadline) {
-  const int conn = io::accept(fd(), nullptr, nullptr, SOCK_CLOEXEC, deadline);
+  const detail::OwnedFd::Use use(fd_);
+  const int conn = use.fd() < 0 ? -EBADF : io::accept(use.fd(), nullptr, nullptr, SOCK_CLOEXEC, deadline);
   if (conn < 0) return Result<Stream>::failure(-conn, std::string("fiber::net::Listener::accept: ") + std::strerror(-conn));
   nodelay(conn);
   return Stream(conn, true);
 }
 
-int Listener::close() noexcept { return close_owned(fd_); }
+int Listener::close() noexcept { return fd_.close(); }
 
 }  // namespace fiber::net
+
+namespace fiber::detail {
+
+// ------------------------------------------------------------------------------ OwnedFd
+
+int OwnedFd::close() noexcept {
+  if (users_.fetch_or(kClosing, std::memory_order_seq_cst) & kClosing) return 0;  // another close() has it
+  // The number stays in fd_ until it is closed: calls counted in before the bit may read it,
+  // and close() waits for them; calls counted in after it get -1 from enter().
+  const int fd = fd_.load(std::memory_order_relaxed);
+  if (fd < 0) return 0;
+  const int rc = close_draining(fd, &OwnedFd::wait_for_users, this);
+  fd_.store(-1, std::memory_order_relaxed);
+  return rc;
+}
+
+int OwnedFd::enter(uint64_t& unit) noexcept {
+  unit = current_fiber() != nullptr ? 1 : kThreadCall;
+  if (users_.fetch_add(unit, std::memory_order_seq_cst) & kClosing) [[unlikely]] return -1;
+  return fd_.load(std::memory_order_relaxed);
+}
+
+void OwnedFd::leave(uint64_t unit) noexcept {
+  if (users_.fetch_sub(unit, std::memory_order_seq_cst) == (kClosing | unit)) [[unlikely]] wake_closer();
+}
+
+// From close_draining, once the fibers waiting on the descriptor are gone and while no new
+// operation can start on it.
+void OwnedFd::wait_for_users(void* self) noexcept {
+  auto& o = *static_cast<OwnedFd*>(self);
+  const uint64_t users = o.users_.load(std::memory_order_seq_cst) & ~kClosing;
+  if (users == 0) return;
+  // A fiber's call still counted is on its way out: it had read the number but not yet listed
+  // itself on the descriptor, and now fails at once. A plain thread's may be blocked in the
+  // kernel, where neither the drain nor close(2) reaches it; shutting the socket down ends its
+  // read, write or accept, and changes nothing else that matters, as the number is closed next.
+  // (A Stream(int) that is not a socket: ENOTSOCK, and such a call ends when it ends.)
+  if (users & ~kFiberCalls) ::shutdown(o.fd_.load(std::memory_order_relaxed), SHUT_RDWR);
+  Waiter w;
+  waiter_prepare_shielded(w);  // the close must finish even if the closing fiber is cancelled
+  o.closer_.store(&w, std::memory_order_seq_cst);
+  // The last call may have counted itself out before the store above and seen no closer: then
+  // the count reads zero here, and we wake ourselves (wake_closer's exchange decides who does).
+  if ((o.users_.load(std::memory_order_seq_cst) & ~kClosing) == 0) o.wake_closer();
+  waiter_wait(w, ParkReason::IO);
+}
+
+void OwnedFd::wake_closer() noexcept {
+  if (Waiter* w = closer_.exchange(nullptr, std::memory_order_seq_cst)) waiter_notify(*w);
+}
+
+}  // namespace fiber::detail

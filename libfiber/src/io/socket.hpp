@@ -13,4 +13,10 @@ namespace fiber::detail {
 // must know: net::Stream does for the sockets it made.
 ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept;
 
+// io::close(fd), calling `before_close(ctx)` once every fiber waiting on `fd` has been woken and
+// has left, and before the number is freed. Meanwhile the descriptor stays marked closing, so no
+// fiber operation can start on it (they fail with -EBADF). net::Stream and net::Listener wait
+// there for their own calls in progress (fiber/net.hpp, OwnedFd).
+int close_draining(int fd, void (*before_close)(void*), void* ctx) noexcept;
+
 }  // namespace fiber::detail
