@@ -13,7 +13,8 @@
 //   pipe2) gets the real call, and EAGAIN. The runtime never changes a descriptor's flags: the
 //   io_uring engine waits on blocking descriptors natively.
 // - Timeouts are infinite unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry reads, writes and
-//   accept fail with EAGAIN, connect with EINPROGRESS. connect reports the real SO_ERROR.
+//   accept fail with EAGAIN, a TCP connect with EINPROGRESS (a Unix one: EAGAIN). connect
+//   reports the real SO_ERROR.
 // - A blocking write writes everything (short writes loop), as on a blocking socket; a
 //   MSG_FASTOPEN send that could only start the connection waits for it, then sends.
 // - errno is set after the last switch, through a non-inlined store: the fiber may have moved
@@ -516,7 +517,10 @@ int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   const uint8_t f = learn(fd, i);
   if (!(f & kKnown) || (f & kNonblock) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
-  return finish(fiber::io::connect(fd, addr, len, d), d, EINPROGRESS);
+  // SO_SNDTIMEO's expiry: a TCP connect goes on in the background (EINPROGRESS); a Unix one
+  // waited for room in the listener's queue, and gives up (EAGAIN).
+  const bool unix_family = addr != nullptr && len >= sizeof(sa_family_t) && addr->sa_family == AF_UNIX;
+  return finish(fiber::io::connect(fd, addr, len, d), d, unix_family ? EAGAIN : EINPROGRESS);
 }
 
 int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {

@@ -1,6 +1,6 @@
 // The semantics a caller keeps inside a fiber (hooks/hook.cpp, header comment; DESIGN.md §8):
 //   - the O_NONBLOCK it set, by any means and at any time, still gives EAGAIN;
-//   - no timeout unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry EAGAIN (connect:
+//   - no timeout unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry EAGAIN (a TCP connect:
 //     EINPROGRESS), and what the kernel knows of the descriptor is the truth (dup shares it);
 //   - close from another fiber (or thread) wakes a fiber blocked on the descriptor with EBADF;
 //   - errno is right after a park, after a migration, and per fiber;
@@ -22,6 +22,7 @@
 #include <sys/select.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <time.h>
 
 #include <atomic>
@@ -334,6 +335,34 @@ TEST_CASE("semantics: SO_SNDTIMEO expiry gives EAGAIN from writes, a partial cou
     CHECK_MESSAGE((r.value.r == -1 && r.value.e == EINPROGRESS),
                   "connect with SO_SNDTIMEO to a full listener: " << r.value.r << " errno " << err_str(r.value.e));
     CHECK(r.parked);
+  });
+  // A Unix stream listener with a full queue: the kernel's blocking connect sleeps until there is
+  // room and gives EAGAIN when SO_SNDTIMEO expires. So does the hooked one, on either engine.
+  on_fiber(1, [] {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string name = "libfiber-hooks-full-" + std::to_string(::getpid());
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());  // abstract: nothing to unlink
+    const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    const auto* a = reinterpret_cast<const sockaddr*>(&addr);
+    Fd ln(::socket(AF_UNIX, SOCK_STREAM, 0));
+    REQUIRE(::bind(ln, a, len) == 0);
+    REQUIRE(::listen(ln, 0) == 0);
+    std::vector<Fd> queued;
+    for (;;) {
+      Fd q(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0));
+      if (::connect(q, a, len) != 0) break;
+      queued.push_back(std::move(q));
+      REQUIRE(queued.size() < 100);
+    }
+    Fd c(::socket(AF_UNIX, SOCK_STREAM, 0));
+    set_timeout(c, SO_SNDTIMEO, 50ms);
+    const auto t0 = Clock::now();
+    auto r = parked_call([&] { return call([&] { return ::connect(c, a, len); }); }, [] {});
+    CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN),
+                  "connect with SO_SNDTIMEO to a full Unix listener: " << r.value.r << " errno " << err_str(r.value.e));
+    CHECK(r.parked);
+    CHECK(Clock::now() - t0 >= 50ms);
   });
 }
 

@@ -29,6 +29,7 @@
 #include <sys/stat.h>
 #include <sys/timerfd.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -2233,4 +2234,51 @@ TEST_CASE("io: a file write queued on the blocking pool lands in its own file, n
   CHECK_MESSAGE(st2.st_size == 0, "the write landed in the descriptor that took the number");
   if (reused >= 0) ::close(reused);
   ::unlink(path1);
+}
+
+// A Unix stream listener whose queue is full makes a non-blocking connect fail with EAGAIN
+// (not EINPROGRESS), and its socket never becomes "ready" for it: a blocking connect sleeps in
+// the kernel until the listener accepts. io::connect waits likewise, on either engine.
+TEST_CASE("io: connect to a Unix listener whose queue is full waits until it accepts") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string name = "libfiber-test-full-" + std::to_string(::getpid());
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());  // abstract: nothing to unlink
+    const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    Fd ln(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    REQUIRE(::bind(ln.get(), reinterpret_cast<const sockaddr*>(&addr), len) == 0);
+    REQUIRE(::listen(ln.get(), 0) == 0);
+    // Fill the queue.
+    std::vector<Fd> queued;
+    for (;;) {
+      Fd c(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+      if (::connect(c.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+        REQUIRE(errno == EAGAIN);
+        break;
+      }
+      queued.push_back(std::move(c));
+      REQUIRE(queued.size() < 100);
+    }
+    std::atomic<bool> started{false};
+    auto connector = fiber::spawn({.scheduler = &s}, [&] {
+      Fd c(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      started = true;
+      const int rc = io::connect(c.get(), reinterpret_cast<const sockaddr*>(&addr), len, patience());
+      if (rc == 0) CHECK(io::write(c.get(), "u", 1, patience()) == 1);
+      return rc;
+    });
+    REQUIRE(wait_for([&] { return started.load(); }));
+    fiber::this_fiber::sleep_for(20ms);
+    REQUIRE_FALSE(connector.finished());  // still waiting, not failed with EAGAIN
+    // Accept every queued connection: the waiting connect gets in and sends its byte.
+    char got = 0;
+    for (std::size_t i = 0; i <= queued.size() && got != 'u'; ++i) {
+      Fd conn(io::accept(ln.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));
+      REQUIRE(conn.get() >= 0);
+      if (i == queued.size()) CHECK(io::read(conn.get(), &got, 1, patience()) == 1);
+    }
+    CHECK(connector.join() == 0);
+    CHECK(got == 'u');
+  });
 }

@@ -317,6 +317,16 @@ int wait_unpollable(const Fiber* f, const io::Deadline& dl) noexcept {
   return r == WakeReason::Cancelled ? -ECANCELED : -ETIMEDOUT;
 }
 
+// Parks a fiber for `pause`, or until the deadline if that comes first: 0 after the pause,
+// -ETIMEDOUT once the deadline has passed, -ECANCELED on a cancel.
+int pause_fiber(const io::Deadline& dl, std::chrono::milliseconds pause) noexcept {
+  const auto until = std::min(dl.at(), std::chrono::steady_clock::now() + pause);  // none is the far end
+  Waiter w;
+  waiter_prepare(w);
+  if (waiter_wait_until(w, ParkReason::IO, until) == WakeReason::Cancelled) return -ECANCELED;
+  return dl.expired() ? -ETIMEDOUT : 0;
+}
+
 // poll's event bits that a wait can ask for: they are epoll's too (POLLPRI is EPOLLPRI, not any
 // data). ERR and HUP are reported unasked; NVAL is poll's alone.
 constexpr uint32_t kAskable = EPOLLIN | EPOLLPRI | EPOLLOUT | EPOLLRDNORM | EPOLLRDBAND | EPOLLWRNORM | EPOLLWRBAND |
@@ -909,6 +919,19 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
     if (const int rc = raw::fcntl(fd, F_SETFL, fl | O_NONBLOCK); rc != 0) return rc;
   }
   int rc = static_cast<int>(raw::connect(fd, addr, addrlen));
+  // EAGAIN: a Unix stream socket whose listener's queue is full (other families use it for "no
+  // route cache entry", an error). Nothing epoll can watch says when there is room (the kernel's
+  // blocking connect sleeps on the listener's queue), so try again after a pause that doubles
+  // from 1 ms to 64 ms, until the deadline or a cancel. (The ring's connect waits by itself.)
+  if (rc == -EAGAIN && addrlen >= sizeof(sa_family_t) && addr->sa_family == AF_UNIX) {
+    for (std::chrono::milliseconds pause{1}; rc == -EAGAIN; pause = std::min(pause * 2, std::chrono::milliseconds{64})) {
+      if (const int p = detail::pause_fiber(dl, pause); p != 0) {
+        rc = p;
+        break;
+      }
+      rc = static_cast<int>(raw::connect(fd, addr, addrlen));
+    }
+  }
   while (rc == -EINPROGRESS || rc == -EALREADY) {
     rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
     if (rc != 0) break;
