@@ -317,14 +317,39 @@ int wait_unpollable(const Fiber* f, const io::Deadline& dl) noexcept {
   return r == WakeReason::Cancelled ? -ECANCELED : -ETIMEDOUT;
 }
 
-// Parks a fiber for `pause`, or until the deadline if that comes first: 0 after the pause,
-// -ETIMEDOUT once the deadline has passed, -ECANCELED on a cancel.
-int pause_fiber(const io::Deadline& dl, std::chrono::milliseconds pause) noexcept {
+// Parks a fiber for `pause`, or until the deadline if that comes first, listed on `fd` so that
+// io::close ends it: 0 after the pause, -ETIMEDOUT once the deadline has passed, -ECANCELED on a
+// cancel, -EBADF when closed.
+int pause_on(int fd, const io::Deadline& dl, std::chrono::milliseconds pause) noexcept {
+  IoOp op;
+  waiter_prepare(op.w);  // before it is listed: io::close() may claim it from then on
+  FdGuard guard(fd, &op);
+  if (!guard.ok()) {
+    waiter_abandon(op.w);
+    return -EBADF;
+  }
   const auto until = std::min(dl.at(), std::chrono::steady_clock::now() + pause);  // none is the far end
-  Waiter w;
-  waiter_prepare(w);
-  if (waiter_wait_until(w, ParkReason::IO, until) == WakeReason::Cancelled) return -ECANCELED;
+  if (waiter_wait_until(op.w, ParkReason::IO, until) == WakeReason::Cancelled) return early_error(op, WakeReason::Cancelled);
   return dl.expired() ? -ETIMEDOUT : 0;
+}
+
+// After a wait for writability: how a non-blocking connect ended. 0 once connected, the error
+// (-ECONNREFUSED, ...), or -EINPROGRESS if it has not ended yet (as Go's netFD.connect asks).
+// Once connected, connect(2) is called again, as the kernel's blocking connect would have been:
+// it marks the socket connected, so that a later connect gives EISCONN, and cannot block, the
+// handshake being over (getpeername says ENOTCONN until then).
+int connect_outcome(int fd, const sockaddr* addr, socklen_t addrlen) noexcept {
+  int err = 0;
+  socklen_t len = sizeof err;
+  if (const int rc = raw::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len); rc != 0) return rc;
+  if (err != 0) return -err;
+  sockaddr_storage peer;
+  socklen_t peer_len = sizeof peer;
+  if (const int rc = raw::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len); rc != 0) {
+    return rc == -ENOTCONN ? -EINPROGRESS : rc;
+  }
+  const int rc = raw::connect(fd, addr, addrlen);
+  return rc == -EISCONN ? 0 : rc;
 }
 
 // poll's event bits that a wait can ask for: they are epoll's too (POLLPRI is EPOLLPRI, not any
@@ -912,10 +937,15 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
     return static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_connect(s, fd, addr, addrlen); }));
   }
   if (path == Path::Thread) return static_cast<int>(raw::connect(fd, addr, addrlen));
-  // Readiness: connect non-blocking, wait until writable, then read the outcome.
+  // Readiness: connect with O_NONBLOCK set for that call alone, then wait until writable and
+  // read the outcome. The flags go back before any wait on the descriptor: once a wait has
+  // ended (an io::close ends it too) the number may already belong to another file, whose flags
+  // must not change. (They are the open file's, shared with every dup of it, so a blocking
+  // descriptor stays blocking.)
   const int fl = raw::fcntl(fd, F_GETFL);
   if (fl < 0) return fl;
-  if (!(fl & O_NONBLOCK)) {
+  const bool blocking = !(fl & O_NONBLOCK);
+  if (blocking) {
     if (const int rc = raw::fcntl(fd, F_SETFL, fl | O_NONBLOCK); rc != 0) return rc;
   }
   int rc = static_cast<int>(raw::connect(fd, addr, addrlen));
@@ -923,24 +953,22 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
   // route cache entry", an error). Nothing epoll can watch says when there is room (the kernel's
   // blocking connect sleeps on the listener's queue), so try again after a pause that doubles
   // from 1 ms to 64 ms, until the deadline or a cancel. (The ring's connect waits by itself.)
+  // A Unix connect never goes on in the background: it ends here, and the flags go back after.
   if (rc == -EAGAIN && addrlen >= sizeof(sa_family_t) && addr->sa_family == AF_UNIX) {
     for (std::chrono::milliseconds pause{1}; rc == -EAGAIN; pause = std::min(pause * 2, std::chrono::milliseconds{64})) {
-      if (const int p = detail::pause_fiber(dl, pause); p != 0) {
+      if (const int p = detail::pause_on(fd, dl, pause); p != 0) {
         rc = p;
         break;
       }
       rc = static_cast<int>(raw::connect(fd, addr, addrlen));
     }
   }
+  if (blocking && rc != -EBADF) raw::fcntl(fd, F_SETFL, fl);
   while (rc == -EINPROGRESS || rc == -EALREADY) {
     rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
     if (rc != 0) break;
-    // Connect again, as the kernel's blocking connect completes: 0 (the socket is now connected,
-    // and a later connect gives EISCONN) or the error (ECONNREFUSED, ...).
-    rc = static_cast<int>(raw::connect(fd, addr, addrlen));
-    if (rc == -EISCONN) rc = 0;
+    rc = detail::connect_outcome(fd, addr, addrlen);
   }
-  if (!(fl & O_NONBLOCK)) raw::fcntl(fd, F_SETFL, fl);
   return rc;
 }
 
