@@ -16,7 +16,9 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include <cstring>
 #include <functional>
 #include <iterator>
+#include <memory>
 #include <random>
 #include <string>
 #include <string_view>
@@ -846,15 +849,27 @@ TEST_CASE("net: close ends an accept or a read waiting in another fiber with EBA
 
 namespace {
 
-// Whether plain thread `tid` of this process is asleep in the kernel (state S in its stat line).
-bool thread_asleep(pid_t tid) {
-  std::FILE* f = std::fopen(("/proc/self/task/" + std::to_string(tid) + "/stat").c_str(), "r");
+// Whether plain thread `tid` of this process is blocked in system call `nr` (its first field in
+// /proc: the number while in a call, "running" otherwise).
+bool thread_in_syscall(pid_t tid, long nr) {
+  std::FILE* f = std::fopen(("/proc/self/task/" + std::to_string(tid) + "/syscall").c_str(), "r");
   if (f == nullptr) return false;
-  char line[512] = {};
-  const bool read = std::fgets(line, sizeof line, f) != nullptr;
+  long got = -1;
+  const bool read = std::fscanf(f, "%ld", &got) == 1;
   std::fclose(f);
-  const char* end = read ? std::strrchr(line, ')') : nullptr;  // the name may hold spaces
-  return end != nullptr && end[1] == ' ' && end[2] == 'S';
+  return read && got == nr;
+}
+
+// Waits until a close() of `owned` has begun: a call starting then gets no number. Asked from a
+// fiber of `s`, since a plain thread's call still counted when the close looks would have it
+// shut the socket down.
+bool close_begun(fiber::Scheduler& s, fiber::detail::OwnedFd& owned) {
+  return fiber::spawn({.scheduler = &s}, [&] {
+           return wait_for([&] {
+             fiber::detail::OwnedFd::Use use(owned);
+             return use.fd() == -1;
+           });
+         }).join();
 }
 
 // Whether the peer of `s` sees the end of the stream within a short wait (false: still open).
@@ -893,15 +908,8 @@ TEST_CASE("net: close waits for a call between reading the number and using it, 
       closed = true;
       return rc;
     });
-    // Once close() has begun, a call starting gets no number. (Asked from a fiber: a plain
-    // thread's call still counted when close() looks would have it shut the socket down.)
-    auto late = fiber::spawn({.scheduler = &s}, [&] {
-      return wait_for([&] {
-        fiber::detail::OwnedFd::Use use(owned);
-        return use.fd() == -1;
-      });
-    });
-    REQUIRE(late.join());
+    // Once close() has begun, a call starting gets no number.
+    REQUIRE(close_begun(s, owned));
     fiber::this_fiber::sleep_for(20ms);
     CHECK_FALSE(closed.load());  // waiting for the holder
     CHECK_FALSE(peer_sees_end(p.client));  // and a fiber's call is not ended by a shutdown
@@ -917,6 +925,85 @@ TEST_CASE("net: close waits for a call between reading the number and using it, 
   });
 }
 
+// The idiom close() is for: a reader owns the stream, another fiber closes it to stop the read,
+// and the reader, seeing EBADF, destroys the stream while that close() is still finishing. The
+// destructor's own close() waits for the first one, so the object outlives it (ASan would see
+// a use after free otherwise) and the socket is closed when the destructor returns.
+TEST_CASE("net: a reader that destroys its stream once a close ended its read waits for that close") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (int round = 0; round < 20; ++round) {
+      StreamPair p = stream_pair();
+      auto owned = std::make_unique<net::Stream>(std::move(p.server));
+      const int client = p.client.fd();
+      std::atomic<bool> reading{false};
+      auto reader = fiber::spawn({.scheduler = &s}, [&] {
+        char buf[16];
+        reading = true;
+        const ssize_t r = owned->read(buf, sizeof buf);
+        owned.reset();
+        // Closed by now: the peer has its end of stream without waiting for it.
+        char c;
+        const ssize_t eof = ::recv(client, &c, 1, MSG_DONTWAIT);
+        return std::pair<ssize_t, ssize_t>{r, eof};
+      });
+      REQUIRE(wait_for([&] { return reading.load(); }));
+      fiber::this_fiber::sleep_for(1ms);
+      auto closer = fiber::spawn({.scheduler = &s}, [&, stream = owned.get()] { return stream->close(); });
+      const auto [r, eof] = reader.join();
+      CHECK(closer.join() == 0);
+      CHECK((r == -EBADF || r == 0));
+      CHECK(eof == 0);
+    }
+  });
+}
+
+// A call counted in on a descriptor whose fd-table chunk does not exist yet, so a close finds no
+// slot to mark: the close makes it, and the call that then lists itself fails with EBADF
+// instead of waiting (with the close waiting for it) until data comes.
+TEST_CASE("net: close of a descriptor with no fd-table slot yet still ends a call that lists itself after") {
+  rlimit lim{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &lim) == 0);
+  constexpr int kChunk = 1 << fiber::detail::FdTable::kChunkBits;
+  int base = -1;
+  for (int k = 1; static_cast<rlim_t>(k) * kChunk < lim.rlim_max && k < fiber::detail::FdTable::kChunks; ++k) {
+    if (fiber::detail::fd_table().find(k * kChunk) == nullptr) {
+      base = k * kChunk;
+      break;
+    }
+  }
+  if (base < 0) {
+    MESSAGE("skipped: RLIMIT_NOFILE's hard limit (" << lim.rlim_max << ") leaves no fd-table chunk unused");
+    return;
+  }
+  const rlimit raised{std::max<rlim_t>(lim.rlim_cur, std::min<rlim_t>(static_cast<rlim_t>(base) + kChunk, lim.rlim_max)), lim.rlim_max};
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &raised) == 0);
+  for_each_proc_count([&](fiber::Scheduler& s, int) {
+    StreamPair p = stream_pair();
+    const int high = ::fcntl(p.server.fd(), F_DUPFD_CLOEXEC, base);
+    REQUIRE(high >= base);
+    REQUIRE(fiber::detail::fd_table().find(high) == nullptr);
+    fiber::detail::OwnedFd owned(high);
+    std::atomic<bool> holding{false};
+    fiber::Latch proceed(1);
+    auto holder = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::detail::OwnedFd::Use use(owned);
+      holding = true;
+      proceed.wait();
+      char c;
+      return io::read(use.fd(), &c, 1, patience());  // lists itself now: the slot is closing
+    });
+    REQUIRE(wait_for([&] { return holding.load(); }));
+    auto closer = fiber::spawn({.scheduler = &s}, [&] { return owned.close(); });
+    REQUIRE(close_begun(s, owned));
+    fiber::this_fiber::sleep_for(5ms);
+    proceed.count_down();
+    CHECK(holder.join() == -EBADF);
+    CHECK(closer.join() == 0);
+    CHECK(::fcntl(high, F_GETFD) == -1);  // closed (no other thread here makes descriptors that high)
+  }, {2});  // one count only: the close makes the chunk, and there are few to spare
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &lim) == 0);
+}
+
 TEST_CASE("net: close ends a plain thread's blocking read and accept, and returns after they do") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     // A read blocked in recv(2), without a deadline: the close shuts the socket down, which ends
@@ -930,7 +1017,7 @@ TEST_CASE("net: close ends a plain thread's blocking read and accept, and return
         tid = os_tid();
         got = p.server.read(buf, sizeof buf);
       });
-      REQUIRE(wait_for([&] { return tid.load() != 0 && thread_asleep(tid.load()); }));
+      REQUIRE(wait_for([&] { return tid.load() != 0 && thread_in_syscall(tid.load(), SYS_recvfrom); }));
       auto h = fiber::spawn({.scheduler = &s}, [&] { return p.server.close(); });
       CHECK(h.join() == 0);
       reader.join();
@@ -947,7 +1034,7 @@ TEST_CASE("net: close ends a plain thread's blocking read and accept, and return
         tid = os_tid();
         err = ln->accept().error();
       });
-      REQUIRE(wait_for([&] { return tid.load() != 0 && thread_asleep(tid.load()); }));
+      REQUIRE(wait_for([&] { return tid.load() != 0 && thread_in_syscall(tid.load(), SYS_accept4); }));
       auto h = fiber::spawn({.scheduler = &s}, [&] { return ln->close(); });
       CHECK(h.join() == 0);
       acceptor.join();

@@ -35,11 +35,10 @@
 #include <vector>
 
 #include "fiber/config.hpp"
+#include "fiber/detail/wait.hpp"
 #include "fiber/io.hpp"
 
 namespace fiber::detail {
-
-struct Waiter;
 
 // The descriptor a Stream or a Listener owns, with a count of the calls in progress on it, so
 // that close() frees the number only once none of them can still act on it (Go's fdMutex,
@@ -47,15 +46,22 @@ struct Waiter;
 // its system call when another fiber or thread closed the stream could act on whatever the
 // kernel gave that number to next: another connection's bytes.
 //
-// users_: the top bit is set, once and for good, by the first close(); below it, two counts of
-// the calls holding a Use: plain threads' (bits 32-62) and fibers' (bits 0-31). A call counts
-// itself in and then checks the bit: set, it fails with EBADF without touching the number;
-// clear, close() cannot free the number before the call counts itself out. close() sets the
-// bit, wakes the fibers waiting on the descriptor (io::close's drain: from then on no fiber's
-// call can wait on it), shuts the socket down if a plain thread's call remains (nothing else
-// ends a thread's blocking call), and waits for both counts to reach zero: the call that brings
-// them there, with the bit set, wakes the closer through closer_. Both sides' two steps are
-// seq_cst, so either the closer sees zero or the last call sees the closer.
+// users_ holds two flags and two counts of the calls holding a Use: plain threads' (bits 31-61)
+// and fibers' (bits 0-30). kClosing is set by the first close() and stays until reset(). A call
+// counts itself in, then looks at kClosing: set, it fails with EBADF without touching the
+// number; clear, the number cannot be freed before the call counts itself out. The first
+// close() sets kClosing and takes the number out of fd_, wakes the fibers waiting on the
+// descriptor (io::close's drain), shuts the socket down if a call remains that the drain may
+// not reach (a plain thread's, blocked in the kernel), and, if calls remain, publishes its wait
+// record in closer_ and sets kWaiting, with one CAS while the count is not zero. The call that
+// takes the count to zero with kWaiting set clears kWaiting in the same CAS and then wakes the
+// closer; no other call reads closer_, and the closer cannot go on before that wake. Every
+// step is on users_, so each call's decision and the closer's are ordered by it.
+//
+// A close() that finds kClosing set waits until the first one has finished (done_): owners
+// call close() from the destructor and from move assignment, and the first close() still uses
+// the object after the calls it ended have returned. done_ is set under lock_ as the first
+// close()'s last use of the object.
 class FIBER_API OwnedFd {
  public:
   OwnedFd() noexcept = default;
@@ -79,31 +85,34 @@ class FIBER_API OwnedFd {
     int fd_;
   };
 
+  // The number; -1 once close() has begun.
   int get() const noexcept { return fd_.load(std::memory_order_relaxed); }
   // Gives up ownership: the number, or -1. Not while calls are in progress.
   int release() noexcept { return fd_.exchange(-1, std::memory_order_relaxed); }
-  // Owns `fd` afresh, after close() or release() (a move assignment). Not while calls are in
-  // progress.
-  void reset(int fd) noexcept {
-    users_.store(0, std::memory_order_relaxed);
-    fd_.store(fd, std::memory_order_relaxed);
-  }
-  // Closes as described above: 0 or close(2)'s -errno; 0 if there was nothing to close or
-  // another close() got there first.
+  // Owns `fd` afresh, after close() or release() (a move assignment). Calls that counted
+  // themselves in on the closed one and have yet to count out keep their count.
+  void reset(int fd) noexcept;
+  // Closes as described above: 0 or close(2)'s -errno. 0 if there was nothing to close, or if
+  // another close() was first (once that one has finished).
   int close() noexcept;
 
  private:
   static constexpr uint64_t kClosing = uint64_t{1} << 63;
-  static constexpr uint64_t kThreadCall = uint64_t{1} << 32;
+  static constexpr uint64_t kWaiting = uint64_t{1} << 62;
+  static constexpr uint64_t kCalls = kWaiting - 1;
+  static constexpr uint64_t kThreadCall = uint64_t{1} << 31;
   static constexpr uint64_t kFiberCalls = kThreadCall - 1;
+  struct Closing;
   int enter(uint64_t& unit) noexcept;
   void leave(uint64_t unit) noexcept;
-  void wake_closer() noexcept;
-  static void wait_for_users(void* self) noexcept;
+  static void wait_for_calls(void* closing, bool fibers_drained) noexcept;
 
   std::atomic<int> fd_{-1};
   std::atomic<uint64_t> users_{0};
-  std::atomic<Waiter*> closer_{nullptr};  // a close() waiting for the count to reach zero
+  Waiter* closer_ = nullptr;  // written by the closer before it sets kWaiting; read by the call that clears it
+  SpinLock lock_;
+  bool done_ = false;         // GUARDED_BY(lock_): the first close() has finished with the object
+  WaitQueue later_closers_;   // GUARDED_BY(lock_): close() calls waiting for done_
 };
 
 }  // namespace fiber::detail
@@ -196,11 +205,15 @@ class FIBER_API Stream {
   // shutdown(2): SHUT_WR sends end-of-stream to the peer. 0 or -errno.
   int shutdown(int how = SHUT_WR) noexcept;
   // Closes it: the one call that may run while other fibers or threads use the stream, the way
-  // to stop a reader. Calls made from then on fail with EBADF. Calls in progress end first, and
-  // close() returns once they have (so none can act on a number the kernel has reused): a fiber's
-  // with -EBADF (as io::close wakes them); if any is still running then, such as a plain thread's
-  // blocking read, close() shuts the socket down (shutdown(2), both ways), which ends it as if the
-  // peer had gone (0, -EPIPE). 0 or -errno; 0 if already closed, or being closed by another call.
+  // to stop a reader. From its start, is_open() is false and calls that begin fail with EBADF.
+  // Calls in progress end first, and close() returns once they have, so none can act on a
+  // number the kernel has reused: a fiber's call at its next wait, with -EBADF (as io::close
+  // wakes them), or when it completes. If a call the drain may not reach is still running, such
+  // as a plain thread's blocking read, close() shuts the socket down (shutdown(2), both ways),
+  // which ends it as if the peer had gone (0, -EPIPE, an accept's EINVAL); that acts on the
+  // socket, so a dup of it, another process's too, is shut down with it. 0 or -errno; 0 if
+  // already closed. A close() racing another returns 0 once that one has finished, so the
+  // destructor of a stream that another fiber is closing waits for that close.
   int close() noexcept;
   int set_nodelay(bool on) noexcept;
 
@@ -241,7 +254,8 @@ class FIBER_API Listener {
   // the caller should back off and retry (see samples/echo_server.cpp).
   Result<Stream> accept(io::Deadline deadline = {});
   // Closes it, as Stream::close: may run while other fibers or threads are in accept(), which
-  // then fails with EBADF (a fiber's) or EINVAL (a plain thread's, ended by shutdown(2)).
+  // then fails with EBADF (a fiber's) or EINVAL (a plain thread's, ended by shutdown(2): a
+  // listening socket shared with other processes stops listening for them too).
   int close() noexcept;
 
   uint16_t port() const noexcept { return port_; }

@@ -710,11 +710,12 @@ ssize_t recv_on(int fd, void* buf, size_t n, int flags, const io::Deadline& dl, 
 
 ssize_t recv_socket(int fd, void* buf, size_t n, io::Deadline dl) noexcept { return recv_on(fd, buf, n, 0, dl, true); }
 
-int close_draining(int fd, void (*before_close)(void*), void* ctx) noexcept {
-  // No slot yet: no fiber operation was ever listed on this descriptor's range.
-  FdSlot* slot = fd_table().find(fd);
+int close_draining(int fd, void (*before_close)(void*, bool), void* ctx) noexcept {
+  // No slot yet: no fiber operation was ever listed on this descriptor's range. (But one could
+  // list itself from now on, so a caller that waits for its own calls gets the slot made.)
+  FdSlot* slot = before_close ? fd_table().slot(fd) : fd_table().find(fd);
   if (slot == nullptr) {
-    if (before_close) before_close(ctx);
+    if (before_close) before_close(ctx, false);
     return static_cast<int>(raw::close(fd));
   }
   std::unique_lock lock(slot->lock);
@@ -738,7 +739,7 @@ int close_draining(int fd, void (*before_close)(void*), void* ctx) noexcept {
   if (before_close) {
     // It may wait, so not under the lock. Nothing can list itself meanwhile: the slot is closing.
     lock.unlock();
-    before_close(ctx);
+    before_close(ctx, true);
     lock.lock();
   }
   // Still under the lock: once closed, the kernel may hand the number to a new descriptor at

@@ -444,50 +444,95 @@ namespace fiber::detail {
 
 // ------------------------------------------------------------------------------ OwnedFd
 
-int OwnedFd::close() noexcept {
-  if (users_.fetch_or(kClosing, std::memory_order_seq_cst) & kClosing) return 0;  // another close() has it
-  // The number stays in fd_ until it is closed: calls counted in before the bit may read it,
-  // and close() waits for them; calls counted in after it get -1 from enter().
-  const int fd = fd_.load(std::memory_order_relaxed);
-  if (fd < 0) return 0;
-  const int rc = close_draining(fd, &OwnedFd::wait_for_users, this);
-  fd_.store(-1, std::memory_order_relaxed);
-  return rc;
-}
+struct OwnedFd::Closing {
+  OwnedFd* owner;
+  int fd;
+};
 
 int OwnedFd::enter(uint64_t& unit) noexcept {
   unit = current_fiber() != nullptr ? 1 : kThreadCall;
-  if (users_.fetch_add(unit, std::memory_order_seq_cst) & kClosing) [[unlikely]] return -1;
-  return fd_.load(std::memory_order_relaxed);
+  if (users_.fetch_add(unit, std::memory_order_acq_rel) & kClosing) [[unlikely]] return -1;
+  return fd_.load(std::memory_order_relaxed);  // -1 if the close began after the add: fine too
 }
 
 void OwnedFd::leave(uint64_t unit) noexcept {
-  if (users_.fetch_sub(unit, std::memory_order_seq_cst) == (kClosing | unit)) [[unlikely]] wake_closer();
+  uint64_t cur = users_.load(std::memory_order_relaxed);
+  for (;;) {
+    const bool last = (cur & kWaiting) && (cur & kCalls) == unit;
+    const uint64_t next = (cur - unit) & ~(last ? kWaiting : 0);
+    if (users_.compare_exchange_weak(cur, next, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+      // The closer waits for this wake: closer_ and its record are still there to read.
+      if (last) [[unlikely]] waiter_notify(*closer_);
+      return;
+    }
+  }
 }
 
-// From close_draining, once the fibers waiting on the descriptor are gone and while no new
-// operation can start on it.
-void OwnedFd::wait_for_users(void* self) noexcept {
-  auto& o = *static_cast<OwnedFd*>(self);
-  const uint64_t users = o.users_.load(std::memory_order_seq_cst) & ~kClosing;
-  if (users == 0) return;
-  // A fiber's call still counted is on its way out: it had read the number but not yet listed
-  // itself on the descriptor, and now fails at once. A plain thread's may be blocked in the
-  // kernel, where neither the drain nor close(2) reaches it; shutting the socket down ends its
-  // read, write or accept, and changes nothing else that matters, as the number is closed next.
-  // (A Stream(int) that is not a socket: ENOTSOCK, and such a call ends when it ends.)
-  if (users & ~kFiberCalls) ::shutdown(o.fd_.load(std::memory_order_relaxed), SHUT_RDWR);
+void OwnedFd::reset(int fd) noexcept {
+  {
+    std::lock_guard lock(lock_);
+    done_ = false;
+  }
+  users_.fetch_and(kCalls & ~kWaiting, std::memory_order_acq_rel);  // kWaiting is clear by now anyway
+  fd_.store(fd, std::memory_order_relaxed);
+}
+
+int OwnedFd::close() noexcept {
+  if (users_.fetch_or(kClosing, std::memory_order_acq_rel) & kClosing) {
+    // Another close() is first: return once it has finished with the object.
+    Waiter w;
+    {
+      std::lock_guard lock(lock_);
+      if (done_) return 0;
+      waiter_prepare_shielded(w);  // not ended by a cancel: a destructor may be waiting
+      later_closers_.push_back(&w);
+    }
+    waiter_wait(w, ParkReason::IO);
+    return 0;
+  }
+  // From here on calls get -1 (from enter() or from fd_) or are counted, and waited for.
+  const int fd = fd_.exchange(-1, std::memory_order_relaxed);
+  int rc = 0;
+  if (fd >= 0) {
+    Closing closing{this, fd};
+    rc = close_draining(fd, &OwnedFd::wait_for_calls, &closing);
+  }
+  WaitQueue later;
+  {
+    std::lock_guard lock(lock_);
+    done_ = true;
+    std::swap(later, later_closers_);
+  }
+  // The object may be gone from here on (a later close() returned, its owner went).
+  while (Waiter* w = later.pop_front()) waiter_notify(*w);
+  return rc;
+}
+
+// From close_draining, after the drain (if the descriptor has a slot in the fd table:
+// `fibers_drained`) and while no fiber's operation can start on it, before close(2).
+void OwnedFd::wait_for_calls(void* closing, bool fibers_drained) noexcept {
+  const auto& c = *static_cast<const Closing*>(closing);
+  OwnedFd& o = *c.owner;
+  uint64_t cur = o.users_.load(std::memory_order_acquire);
+  if ((cur & kCalls) == 0) return;
+  // A fiber's call still counted after the drain is on its way out: it had read the number but
+  // not listed itself yet, and now fails at its next wait, or ends when it completes (a write
+  // the socket has room for). A plain thread's may be blocked in the kernel, where neither the
+  // drain nor close(2) reaches it, and so may a fiber's on a descriptor without a slot; shutting
+  // the socket down ends a read, write or accept there. It acts on the socket, not the
+  // descriptor: a dup of it (another process's too) is shut down with it.
+  if (!fibers_drained || (cur & kCalls & ~kFiberCalls)) ::shutdown(c.fd, SHUT_RDWR);
   Waiter w;
   waiter_prepare_shielded(w);  // the close must finish even if the closing fiber is cancelled
-  o.closer_.store(&w, std::memory_order_seq_cst);
-  // The last call may have counted itself out before the store above and seen no closer: then
-  // the count reads zero here, and we wake ourselves (wake_closer's exchange decides who does).
-  if ((o.users_.load(std::memory_order_seq_cst) & ~kClosing) == 0) o.wake_closer();
+  o.closer_ = &w;
+  for (;;) {
+    if ((cur & kCalls) == 0) {
+      waiter_notify(w);  // the last call left meanwhile: the wait below returns at once
+      break;
+    }
+    if (o.users_.compare_exchange_weak(cur, cur | kWaiting, std::memory_order_acq_rel, std::memory_order_acquire)) break;
+  }
   waiter_wait(w, ParkReason::IO);
-}
-
-void OwnedFd::wake_closer() noexcept {
-  if (Waiter* w = closer_.exchange(nullptr, std::memory_order_seq_cst)) waiter_notify(*w);
 }
 
 }  // namespace fiber::detail
