@@ -2243,7 +2243,8 @@ TEST_CASE("io: connect to a Unix listener whose queue is full waits until it acc
   for_each_proc_count([](fiber::Scheduler& s, int) {
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
-    const std::string name = "libfiber-test-full-" + std::to_string(::getpid());
+    const std::string name = "libfiber-test-full-" + std::to_string(::getpid()) + "-" +
+                             std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
     std::memcpy(addr.sun_path + 1, name.data(), name.size());  // abstract: nothing to unlink
     const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
     Fd ln(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -2270,7 +2271,7 @@ TEST_CASE("io: connect to a Unix listener whose queue is full waits until it acc
     });
     REQUIRE(wait_for([&] { return started.load(); }));
     fiber::this_fiber::sleep_for(20ms);
-    REQUIRE_FALSE(connector.finished());  // still waiting, not failed with EAGAIN
+    CHECK_FALSE(connector.finished());  // still waiting, not failed with EAGAIN
     // Accept every queued connection: the waiting connect gets in and sends its byte.
     char got = 0;
     for (std::size_t i = 0; i <= queued.size() && got != 'u'; ++i) {
@@ -2280,5 +2281,25 @@ TEST_CASE("io: connect to a Unix listener whose queue is full waits until it acc
     }
     CHECK(connector.join() == 0);
     CHECK(got == 'u');
+  });
+}
+
+// A refused connect leaves the socket able to connect again, as the kernel's does: a "wait for
+// the server" loop that retries on one socket gets ECONNREFUSED each time, and connects once
+// someone listens. (Reading the outcome through SO_ERROR alone would leave the socket
+// "connecting", and the retry would fail with ECONNABORTED.)
+TEST_CASE("io: connect retried on one socket after ECONNREFUSED is refused again, then connects") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    auto h = fiber::spawn({.scheduler = &s}, [] {
+      ClosedPort closed = closed_port();
+      const sockaddr_in to = loopback(closed.port);
+      Fd c = tcp_socket();
+      CHECK(io::connect(c.get(), sa(to), sizeof to, patience()) == -ECONNREFUSED);
+      CHECK(io::connect(c.get(), sa(to), sizeof to, patience()) == -ECONNREFUSED);
+      REQUIRE(::listen(closed.holder.get(), 1) == 0);  // the server is up
+      CHECK(io::connect(c.get(), sa(to), sizeof to, patience()) == 0);
+      CHECK(io::connect(c.get(), sa(to), sizeof to, patience()) == -EISCONN);
+    });
+    h.join();
   });
 }

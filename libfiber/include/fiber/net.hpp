@@ -211,9 +211,10 @@ class FIBER_API Stream {
   // wakes them), or when it completes. If a call the drain may not reach is still running, such
   // as a plain thread's blocking read, close() shuts the socket down (shutdown(2), both ways),
   // which ends it as if the peer had gone (0, -EPIPE, an accept's EINVAL); that acts on the
-  // socket, so a dup of it, another process's too, is shut down with it. 0 or -errno; 0 if
-  // already closed. A close() racing another returns 0 once that one has finished, so the
-  // destructor of a stream that another fiber is closing waits for that close.
+  // socket, so a dup of it, another process's too, is shut down with it. (A Stream(int) that is
+  // not a socket cannot be shut down: a plain thread's call blocked in it holds close() up until
+  // it returns.) 0 or -errno; 0 if already closed. A close() racing another returns 0 once that
+  // one has finished, so the destructor of a stream that another fiber is closing waits for it.
   int close() noexcept;
   int set_nodelay(bool on) noexcept;
 

@@ -322,32 +322,33 @@ int wait_unpollable(const Fiber* f, const io::Deadline& dl) noexcept {
 // cancel, -EBADF when closed.
 int pause_on(int fd, const io::Deadline& dl, std::chrono::milliseconds pause) noexcept {
   IoOp op;
-  waiter_prepare(op.w);  // before it is listed: io::close() may claim it from then on
-  FdGuard guard(fd, &op);
-  if (!guard.ok()) {
-    waiter_abandon(op.w);
-    return -EBADF;
+  WakeReason why;
+  {
+    waiter_prepare(op.w);  // before it is listed: io::close() may claim it from then on
+    FdGuard guard(fd, &op);
+    if (!guard.ok()) {
+      waiter_abandon(op.w);
+      return -EBADF;
+    }
+    const auto until = std::min(dl.at(), std::chrono::steady_clock::now() + pause);  // none is the far end
+    why = waiter_wait_until(op.w, ParkReason::IO, until);
   }
-  const auto until = std::min(dl.at(), std::chrono::steady_clock::now() + pause);  // none is the far end
-  if (waiter_wait_until(op.w, ParkReason::IO, until) == WakeReason::Cancelled) return early_error(op, WakeReason::Cancelled);
+  // Unlisted now, so a close that marked the op (even one that lost the claim to the timer)
+  // has been seen: the number may be about to go to another file.
+  if (op.closed.load(std::memory_order_relaxed)) return -EBADF;
+  if (why == WakeReason::Cancelled) return -ECANCELED;
   return dl.expired() ? -ETIMEDOUT : 0;
 }
 
-// After a wait for writability: how a non-blocking connect ended. 0 once connected, the error
-// (-ECONNREFUSED, ...), or -EINPROGRESS if it has not ended yet (as Go's netFD.connect asks).
-// Once connected, connect(2) is called again, as the kernel's blocking connect would have been:
-// it marks the socket connected, so that a later connect gives EISCONN, and cannot block, the
-// handshake being over (getpeername says ENOTCONN until then).
+// After a wait for writability: how a non-blocking connect ended. Asks connect(2) again, as the
+// kernel's blocking connect completes: 0 (it marks the socket connected, so a later connect
+// gives EISCONN) or the error, after which the socket may connect again (a "wait for the
+// server" loop gets ECONNREFUSED each time). But only once poll(2) says the handshake is over
+// (POLLOUT, POLLERR or POLLHUP, which TCP reports in no state where connect(2) sleeps): the
+// descriptor may be blocking again by now. Otherwise -EINPROGRESS: wait again.
 int connect_outcome(int fd, const sockaddr* addr, socklen_t addrlen) noexcept {
-  int err = 0;
-  socklen_t len = sizeof err;
-  if (const int rc = raw::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len); rc != 0) return rc;
-  if (err != 0) return -err;
-  sockaddr_storage peer;
-  socklen_t peer_len = sizeof peer;
-  if (const int rc = raw::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len); rc != 0) {
-    return rc == -ENOTCONN ? -EINPROGRESS : rc;
-  }
+  pollfd p{fd, POLLOUT, 0};
+  if (const int rc = raw::poll_now(&p, 1); rc <= 0) return rc < 0 ? rc : -EINPROGRESS;
   const int rc = raw::connect(fd, addr, addrlen);
   return rc == -EISCONN ? 0 : rc;
 }

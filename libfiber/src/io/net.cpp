@@ -470,10 +470,12 @@ void OwnedFd::leave(uint64_t unit) noexcept {
 
 void OwnedFd::reset(int fd) noexcept {
   {
+    // Both under the lock: a close() that saw kClosing and is about to wait for done_ finds
+    // the flag gone instead, and returns (the close it raced has finished).
     std::lock_guard lock(lock_);
     done_ = false;
+    users_.fetch_and(kCalls & ~kWaiting, std::memory_order_acq_rel);  // kWaiting is clear by now anyway
   }
-  users_.fetch_and(kCalls & ~kWaiting, std::memory_order_acq_rel);  // kWaiting is clear by now anyway
   fd_.store(fd, std::memory_order_relaxed);
 }
 
@@ -483,7 +485,7 @@ int OwnedFd::close() noexcept {
     Waiter w;
     {
       std::lock_guard lock(lock_);
-      if (done_) return 0;
+      if (done_ || !(users_.load(std::memory_order_acquire) & kClosing)) return 0;  // finished (and reset)
       waiter_prepare_shielded(w);  // not ended by a cancel: a destructor may be waiting
       later_closers_.push_back(&w);
     }

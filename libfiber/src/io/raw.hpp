@@ -54,12 +54,6 @@ inline int accept4(int fd, sockaddr* a, socklen_t* len, int flags) noexcept {
 inline int connect(int fd, const sockaddr* a, socklen_t len) noexcept {
   return static_cast<int>(ret(::syscall(SYS_connect, fd, a, len)));
 }
-inline int getsockopt(int fd, int level, int name, void* v, socklen_t* len) noexcept {
-  return static_cast<int>(ret(::syscall(SYS_getsockopt, fd, level, name, v, len)));
-}
-inline int getpeername(int fd, sockaddr* a, socklen_t* len) noexcept {
-  return static_cast<int>(ret(::syscall(SYS_getpeername, fd, a, len)));
-}
 #if defined(FIBER_TSAN) || defined(__SANITIZE_THREAD__)
 // ThreadSanitizer follows descriptors through its interceptors: a close it does not see leaves
 // the number attached to the old file, and the next thread that reuses the number (a socket, an
