@@ -872,6 +872,23 @@ bool close_begun(fiber::Scheduler& s, fiber::detail::OwnedFd& owned) {
          }).join();
 }
 
+// A call that has read the number (its Use) and not yet made its system call: a fiber of `s`
+// that holds a Use of `owned` until the returned latch counts down, then runs then(number).
+// Returns once the Use is held, with the fiber's handle and the latch.
+template <typename F>
+auto hold_call(fiber::Scheduler& s, fiber::detail::OwnedFd& owned, F then) {
+  auto held = std::make_shared<std::atomic<bool>>(false);
+  auto release = std::make_shared<fiber::Latch>(1);
+  auto holder = fiber::spawn({.scheduler = &s}, [&owned, held, release, then] {
+    fiber::detail::OwnedFd::Use use(owned);
+    *held = true;
+    release->wait();
+    return then(use.fd());
+  });
+  REQUIRE(wait_for([&] { return held->load(); }));
+  return std::pair{std::move(holder), release};
+}
+
 // Whether the peer of `s` sees the end of the stream within a short wait (false: still open).
 bool peer_sees_end(net::Stream& s) {
   char c;
@@ -890,18 +907,11 @@ TEST_CASE("net: close waits for a call between reading the number and using it, 
     StreamPair p = stream_pair();
     const int fd = p.server.fd();
     fiber::detail::OwnedFd owned(p.server.release());
-    std::atomic<bool> holding{false};
-    fiber::Latch done_holding(1);
-    // A fiber that has read the number (the Use) and not yet made its call.
-    auto holder = fiber::spawn({.scheduler = &s}, [&] {
-      fiber::detail::OwnedFd::Use use(owned);
-      holding = true;
-      done_holding.wait();
+    auto [holder, release] = hold_call(s, owned, [fd](int number) {
       // The number is still this socket's: nothing can have reused it.
-      CHECK(use.fd() == fd);
-      CHECK(::send(use.fd(), "held", 4, MSG_NOSIGNAL) == 4);
+      CHECK(number == fd);
+      CHECK(::send(number, "held", 4, MSG_NOSIGNAL) == 4);
     });
-    REQUIRE(wait_for([&] { return holding.load(); }));
     std::atomic<bool> closed{false};
     auto closer = fiber::spawn({.scheduler = &s}, [&] {
       const int rc = owned.close();
@@ -913,7 +923,7 @@ TEST_CASE("net: close waits for a call between reading the number and using it, 
     fiber::this_fiber::sleep_for(20ms);
     CHECK_FALSE(closed.load());  // waiting for the holder
     CHECK_FALSE(peer_sees_end(p.client));  // and a fiber's call is not ended by a shutdown
-    done_holding.count_down();
+    release->count_down();
     CHECK(closer.join() == 0);
     holder.join();
     char buf[4];
@@ -987,20 +997,14 @@ TEST_CASE("net: close of a descriptor with no fd-table slot yet still ends a cal
     REQUIRE(high >= base);
     REQUIRE(fiber::detail::fd_table().find(high) == nullptr);
     fiber::detail::OwnedFd owned(high);
-    std::atomic<bool> holding{false};
-    fiber::Latch proceed(1);
-    auto holder = fiber::spawn({.scheduler = &s}, [&] {
-      fiber::detail::OwnedFd::Use use(owned);
-      holding = true;
-      proceed.wait();
+    auto [holder, release] = hold_call(s, owned, [](int number) {
       char c;
-      return io::read(use.fd(), &c, 1, patience());  // lists itself now: the slot is closing
+      return io::read(number, &c, 1, patience());  // lists itself now: the slot is closing
     });
-    REQUIRE(wait_for([&] { return holding.load(); }));
     auto closer = fiber::spawn({.scheduler = &s}, [&] { return owned.close(); });
     REQUIRE(close_begun(s, owned));
     fiber::this_fiber::sleep_for(5ms);
-    proceed.count_down();
+    release->count_down();
     CHECK(holder.join() == -EBADF);
     CHECK(closer.join() == 0);
     CHECK(::fcntl(high, F_GETFD) == -1);  // closed (no other thread here makes descriptors that high)

@@ -751,6 +751,7 @@ int close_draining(int fd, void (*before_close)(void*, bool), void* ctx) noexcep
   slot->recv_backlog.store(false, std::memory_order_relaxed);
   return rc;
 }
+
 }  // namespace fiber::detail
 
 namespace fiber::io {
@@ -942,8 +943,7 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
   // Readiness: connect with O_NONBLOCK set for that call alone, then wait until writable and
   // read the outcome. The flags go back before any wait on the descriptor: once a wait has
   // ended (an io::close ends it too) the number may already belong to another file, whose flags
-  // must not change. (They are the open file's, shared with every dup of it, so a blocking
-  // descriptor stays blocking.)
+  // must not change.
   const int fl = raw::fcntl(fd, F_GETFL);
   if (fl < 0) return fl;
   const bool blocking = !(fl & O_NONBLOCK);

@@ -319,10 +319,10 @@ Result<Stream> Stream::dial(std::string_view host_port, io::Deadline deadline) {
 }
 
 // Every call below holds a Use for its whole length, loops included: see OwnedFd. A Use taken
-// once close() has begun holds -1, which every call turns into EBADF.
+// once close() has begun holds -1, which each system call (and fiber::io call) below answers
+// with EBADF, as it did before the count, when close() left -1 in the stream.
 
 ssize_t Stream::read_on(int fd, void* buf, size_t n, io::Deadline deadline) noexcept {
-  if (fd < 0) return -EBADF;
   return known_socket_ ? detail::recv_socket(fd, buf, n, deadline) : io::recv(fd, buf, n, 0, deadline);
 }
 
@@ -333,7 +333,7 @@ ssize_t Stream::read(void* buf, size_t n, io::Deadline deadline) noexcept {
 
 ssize_t Stream::write(const void* buf, size_t n, io::Deadline deadline) noexcept {
   const detail::OwnedFd::Use use(fd_);
-  return use.fd() < 0 ? -EBADF : io::send(use.fd(), buf, n, 0, deadline);
+  return io::send(use.fd(), buf, n, 0, deadline);
 }
 
 ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept {
@@ -352,7 +352,6 @@ ssize_t Stream::read_exact(void* buf, size_t n, io::Deadline deadline) noexcept 
 
 ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noexcept {
   const detail::OwnedFd::Use use(fd_);
-  if (use.fd() < 0) return -EBADF;
   const auto* p = static_cast<const char*>(buf);
   size_t sent = 0;
   while (sent < n) {
@@ -366,7 +365,6 @@ ssize_t Stream::write_all(const void* buf, size_t n, io::Deadline deadline) noex
 
 int Stream::shutdown(int how) noexcept {
   const detail::OwnedFd::Use use(fd_);
-  if (use.fd() < 0) return -EBADF;
   return ::shutdown(use.fd(), how) == 0 ? 0 : -raw::last_errno();
 }
 
@@ -374,7 +372,6 @@ int Stream::close() noexcept { return fd_.close(); }
 
 int Stream::set_nodelay(bool on) noexcept {
   const detail::OwnedFd::Use use(fd_);
-  if (use.fd() < 0) return -EBADF;
   const int v = on ? 1 : 0;
   return setsockopt(use.fd(), IPPROTO_TCP, TCP_NODELAY, &v, sizeof v) == 0 ? 0 : -raw::last_errno();
 }
@@ -383,8 +380,8 @@ Result<Address> Stream::peer_address() const {
   const detail::OwnedFd::Use use(fd_);
   Address a;
   a.len = sizeof a.storage;
-  if (use.fd() < 0 || getpeername(use.fd(), reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
-    const int err = use.fd() < 0 ? EBADF : raw::last_errno();
+  if (getpeername(use.fd(), reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+    const int err = raw::last_errno();
     return Result<Address>::failure(err, std::string("fiber::net::Stream::peer_address: ") + std::strerror(err));
   }
   return a;
@@ -430,7 +427,7 @@ Result<Listener> Listener::listen(std::string_view host_port, int backlog) {
 
 Result<Stream> Listener::accept(io::Deadline deadline) {
   const detail::OwnedFd::Use use(fd_);
-  const int conn = use.fd() < 0 ? -EBADF : io::accept(use.fd(), nullptr, nullptr, SOCK_CLOEXEC, deadline);
+  const int conn = io::accept(use.fd(), nullptr, nullptr, SOCK_CLOEXEC, deadline);
   if (conn < 0) return Result<Stream>::failure(-conn, std::string("fiber::net::Listener::accept: ") + std::strerror(-conn));
   nodelay(conn);
   return Stream(conn, true);
