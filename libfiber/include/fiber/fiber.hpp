@@ -3,6 +3,7 @@
 
 #include "fiber/block_on.hpp"
 #include "fiber/blocking.hpp"
+#include "fiber/fiber_local.hpp"
 #include "fiber/config.hpp"
 #include "fiber/error.hpp"
 #include "fiber/scheduler.hpp"

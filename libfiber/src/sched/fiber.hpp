@@ -203,6 +203,16 @@ inline std::size_t Fiber::task_offset(bool joinable) noexcept {
 }
 static_assert(std::is_trivially_destructible_v<Waiter>, "a fiber's join record is never destroyed");
 
+// A started fiber's stack keeps kStackTopReserve bytes above its first frame. The first word is
+// the fiber's FiberLocal table (fiber_local.cpp): nullptr until the fiber stores a value, read
+// and written only by the fiber itself (prepare_first_run clears it before the first switch in).
+// There rather than in the Fiber, which is full at 128 bytes, and a fiber that never runs needs
+// none.
+inline constexpr std::size_t kStackTopReserve = 16;  // keeps the first frame 16-byte aligned
+inline void*& fls_word(Fiber* f) noexcept {
+  return *reinterpret_cast<void**>(f->stack.top() - kStackTopReserve);
+}
+
 // The current processor and fiber of this thread. Read through these non-inlined accessors
 // only: a fiber may resume on another thread after any switch, and the compiler may otherwise
 // keep a thread_local's address cached across the call that switched (invariant 3).

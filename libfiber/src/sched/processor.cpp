@@ -285,6 +285,7 @@ Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
   complete_switch(t);  // a new fiber handles no exception yet: the switcher left none (switch_to)
   run_task(self);
+  if (fls_word(self) != nullptr) fls_fiber_exit(self);  // its FiberLocal values, on its own stack
   complete_fiber(self);  // counts the finish
   self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
   // Read after complete_fiber: the unhandled-exception handler it may call can block, and the
@@ -312,7 +313,9 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
     fiber_cancel_claim(f);
   }
   f->san.on_create(f->stack.lo, f->stack.size);
-  f->ctx = make_context(f->stack.top(), f->stack.usable(), &Processor::fiber_main);
+  fls_word(f) = nullptr;  // a recycled stack holds its last fiber's
+  f->ctx = make_context(f->stack.top() - kStackTopReserve, f->stack.usable() - kStackTopReserve,
+                        &Processor::fiber_main);
   return true;
 }
 
