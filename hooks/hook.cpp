@@ -14,7 +14,7 @@
 //   io_uring engine waits on blocking descriptors natively.
 // - Timeouts are infinite unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry reads, writes and
 //   accept fail with EAGAIN, a TCP connect with EINPROGRESS (a Unix one: EAGAIN). connect
-//   reports the real SO_ERROR.
+//   reports the real SO_ERROR. A negative timeout is the kernel's "never wait": the real call.
 // - A blocking write writes everything (short writes loop), as on a blocking socket; a
 //   MSG_FASTOPEN send that could only start the connection waits for it, then sends.
 // - errno is set after the last switch, through a non-inlined store: the fiber may have moved
@@ -188,10 +188,20 @@ T finish(T r, const fiber::io::Deadline& d = {}, int timeout_errno = EAGAIN) noe
 
 // kMessage: a socket that moves whole messages (SOCK_DGRAM, SOCK_SEQPACKET, SOCK_RAW, ...): a send
 // is all or nothing and MSG_WAITALL means nothing; only SOCK_STREAM has a byte stream to finish.
-enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4, kSeekable = 8, kMessage = 16 };
+// kRecvNoWait / kSendNoWait: a socket whose SO_RCVTIMEO / SO_SNDTIMEO was set negative, which the
+// kernel takes as "never wait" (EAGAIN at once, as non-blocking) but reads back as {0, 0}, the
+// same as "no timeout": only the hook's own memory of the setsockopt (FdInfo::no_wait) tells.
+// The kernel's own call then never blocks, so it is the one made.
+enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4, kSeekable = 8, kMessage = 16, kRecvNoWait = 32, kSendNoWait = 64 };
+constexpr uint8_t kNoWaitRecv = kNonblock | kRecvNoWait;  // a receive (or accept) never waits
+constexpr uint8_t kNoWaitSend = kNonblock | kSendNoWait;  // a send (or connect) never waits
 
 struct FdInfo {
-  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock | kSeekable | kMessage; 0: ask the kernel
+  std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock | kSeekable | kMessage | k*NoWait; 0: ask the kernel
+  // kRecvNoWait | kSendNoWait as the last successful setsockopt of SO_RCVTIMEO / SO_SNDTIMEO
+  // through this number left them (a negative time); cleared with the number (forget). A dup
+  // shares the socket but not this: there the kernel's {0, 0} is taken for "no timeout".
+  std::atomic<uint8_t> no_wait{0};
   // Set by dup*/F_DUPFD on both descriptors: the open file description (O_NONBLOCK) and the socket
   // (SO_*TIMEO) are shared, so a change made through one must reach what is known of the other.
   std::atomic<uint8_t> shared{0};
@@ -237,6 +247,7 @@ void forget(int fd) noexcept {
   if (FdInfo* i = find_info(fd)) {
     i->flags.store(0, std::memory_order_relaxed);
     i->shared.store(0, std::memory_order_relaxed);
+    i->no_wait.store(0, std::memory_order_relaxed);
   }
 }
 
@@ -348,6 +359,9 @@ uint8_t learn(int fd, FdInfo*& out) noexcept {
     tv = timeval{};
     len = sizeof tv;
     if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &len) == 0) snd_timeout = timeval_ns(tv);
+    const uint8_t no_wait = i->no_wait.load(std::memory_order_relaxed);
+    if (rcv_timeout == 0) f |= no_wait & kRecvNoWait;  // else a timeout was set since, elsewhere
+    if (snd_timeout == 0) f |= no_wait & kSendNoWait;
   }
   i->rcv_timeout.store(rcv_timeout, std::memory_order_relaxed);
   i->snd_timeout.store(snd_timeout, std::memory_order_relaxed);
@@ -369,7 +383,7 @@ template <typename Now, typename Wait>
 ssize_t park_read(int fd, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNonblock)) return -2;  // the caller makes the real call
+  if (!(f & kKnown) || (f & kNoWaitRecv)) return -2;  // the caller makes the real call
   if (f & kSocket) {
     const ssize_t r = now();
     if (r >= 0 || get_errno() != EAGAIN) return r;
@@ -463,7 +477,7 @@ ssize_t park_read_all(int fd, msghdr& m, int flags, Now&& now, Wait&& wait) noex
   FdInfo* i;
   const uint8_t f = learn(fd, i);
   if (!(f & kSocket) || (f & kMessage)) return park_read(fd, now, wait);
-  if (f & kNonblock) return -2;  // the kernel ignores MSG_WAITALL there too
+  if (f & kNoWaitRecv) return -2;  // the kernel ignores MSG_WAITALL there too
   const size_t ctl = m.msg_controllen;  // the call overwrites it with what it used
   const ssize_t r = now();
   if (r < 0 && get_errno() != EAGAIN) return r;
@@ -515,7 +529,7 @@ int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   if (!may_park()) return REAL(connect, SYS_connect, fd, addr, len);
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNonblock) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
+  if (!(f & kKnown) || (f & kNoWaitSend) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
   // SO_SNDTIMEO's expiry: a TCP connect goes on in the background (EINPROGRESS); a Unix one
   // waited for room in the listener's queue, and gives up (EAGAIN).
@@ -533,7 +547,7 @@ int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
   if (!may_park()) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNonblock)) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
+  if (!(f & kKnown) || (f & kNoWaitRecv)) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
   const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
   return forgotten(finish(fiber::io::accept(fd, addr, len, flags, d), d));
 }
@@ -655,7 +669,7 @@ template <typename Now, typename Wait>
 ssize_t park_write(int fd, size_t total, int flags, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNonblock)) return -2;
+  if (!(f & kKnown) || (f & kNoWaitSend)) return -2;
   size_t done = 0;
   if (!(f & kSocket)) {  // pipes, files: a blocking write(2) writes everything too
     // ... except that a regular file's stops short at a limit (RLIMIT_FSIZE, a full disk): one
@@ -798,7 +812,7 @@ ssize_t sendto(int fd, const void* buf, size_t n, int flags, const struct sockad
   if (may_park() && !(flags & MSG_DONTWAIT)) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kSocket) && !(f & kNonblock)) {
+    if ((f & kSocket) && !(f & kNoWaitSend)) {
       const ssize_t r = REAL(sendto, SYS_sendto, fd, buf, n, flags | MSG_DONTWAIT, addr, len);
       iovec iov{const_cast<void*>(buf), n};
       msghdr m{};
@@ -816,7 +830,7 @@ ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
   if (may_park() && !(flags & MSG_DONTWAIT)) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNonblock)) {
+    if ((f & kKnown) && !(f & kNoWaitSend)) {
       // A failure other than EAGAIN (a bad msg among them) is returned unread by send_after.
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, msg, flags | MSG_DONTWAIT);
       return send_after(fd, *msg, flags, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
@@ -829,7 +843,7 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
   if (may_park()) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNonblock)) {
+    if ((f & kKnown) && !(f & kNoWaitSend)) {
       if (cnt < 0 || cnt > IOV_MAX) return REAL(writev, SYS_writev, fd, iov, cnt);  // EINVAL
       msghdr m{};
       m.msg_iov = const_cast<iovec*>(iov);
@@ -1078,7 +1092,18 @@ int ioctl(int fd, unsigned long req, ...) noexcept {
 
 int setsockopt(int fd, int level, int name, const void* val, socklen_t len) noexcept {
   const int rc = REAL(setsockopt, SYS_setsockopt, fd, level, name, val, len);
-  if (rc == 0 && level == SOL_SOCKET && (name == SO_RCVTIMEO || name == SO_SNDTIMEO)) changed(fd);
+  if (rc == 0 && level == SOL_SOCKET && (name == SO_RCVTIMEO || name == SO_SNDTIMEO)) {
+    // Accepted, so `val` holds a timeval (the kernel copied one from it).
+    const uint8_t bit = name == SO_RCVTIMEO ? kRecvNoWait : kSendNoWait;
+    if (FdInfo* i = info(fd)) {
+      if (static_cast<const timeval*>(val)->tv_sec < 0) {
+        i->no_wait.fetch_or(bit, std::memory_order_relaxed);
+      } else {
+        i->no_wait.fetch_and(static_cast<uint8_t>(~bit), std::memory_order_relaxed);
+      }
+    }
+    changed(fd);
+  }
   return rc;
 }
 

@@ -366,6 +366,68 @@ TEST_CASE("semantics: SO_SNDTIMEO expiry gives EAGAIN from writes, a partial cou
   });
 }
 
+// The kernel takes a negative SO_RCVTIMEO / SO_SNDTIMEO as "never wait" (EAGAIN at once, as on
+// a non-blocking descriptor) but reads it back as {0, 0}, the same as "no timeout"; code that
+// sets the time left before a deadline sets one once the deadline has passed. Without the hook's
+// memory of the setsockopt, each call below parked until its release.
+TEST_CASE("semantics: a negative SO_RCVTIMEO or SO_SNDTIMEO never waits, as the kernel's: EAGAIN at once") {
+  const timeval negative{-1, 0};
+  const auto expect_eagain = [](const Parked<Res>& r, const std::string& what) {
+    CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN), what << ": " << r.value.r << " errno " << err_str(r.value.e));
+    CHECK_MESSAGE(!r.parked, what << " parked");
+  };
+  {  // The kernel, on a plain thread.
+    Pair p = make_socketpair();
+    REQUIRE(::setsockopt(p.a, SOL_SOCKET, SO_RCVTIMEO, &negative, sizeof negative) == 0);
+    CHECK(get_timeout(p.a, SO_RCVTIMEO) == 0us);
+    char c;
+    const Res r = call([&] { return ::read(p.a, &c, 1); });
+    CHECK((r.r == -1 && r.e == EAGAIN));
+  }
+  on_fiber(1, [&] {
+    char c = 0;
+    // Set before the hook first sees the socket, and after it learned that it had no timeout.
+    for (const bool learned_first : {false, true}) {
+      CAPTURE(learned_first);
+      Pair p = make_socketpair();
+      if (learned_first) expect_read_parks(p.a, p.b, "before the negative SO_RCVTIMEO");
+      REQUIRE(::setsockopt(p.a, SOL_SOCKET, SO_RCVTIMEO, &negative, sizeof negative) == 0);
+      expect_eagain(no_park_call([&] { return call([&] { return ::read(p.a, &c, 1); }); }, [&] { write_str(p.b, "r"); }),
+                    "read");
+      expect_eagain(no_park_call([&] { return call([&] { return ::recv(p.a, &c, 1, MSG_WAITALL); }); },
+                                 [&] { write_str(p.b, "w"); }),
+                    "recv MSG_WAITALL");
+      write_str(p.b, "d");
+      CHECK(::read(p.a, &c, 1) == 1);  // what is there is read
+      set_timeout(p.a, SO_RCVTIMEO, 0us);  // none again: reads wait
+      expect_read_parks(p.a, p.b, "after SO_RCVTIMEO {0, 0}");
+    }
+    Listener l = tcp_listener();
+    REQUIRE(::setsockopt(l.fd, SOL_SOCKET, SO_RCVTIMEO, &negative, sizeof negative) == 0);
+    Fd client;
+    expect_eagain(no_park_call([&] { return call([&] { return ::accept(l.fd, nullptr, nullptr); }); },
+                               [&] {
+                                 client = Fd(::socket(AF_INET, SOCK_STREAM, 0));
+                                 (void)::connect(client, sa(l.addr), sizeof l.addr);
+                               }),
+                  "accept");
+    Pair w = make_socketpair();
+    REQUIRE(::setsockopt(w.a, SOL_SOCKET, SO_SNDTIMEO, &negative, sizeof negative) == 0);
+    const size_t filled = fill(w.a);
+    expect_eagain(no_park_call([&] { return call([&] { return ::write(w.a, "x", 1); }); },
+                               [&] { drain(w.b, filled + 1); }),
+                  "write to a full socket");
+    // The number closed and made again is a new socket, without the old one's setting.
+    const int number = w.a.get();
+    w.a.reset();
+    Pair again = make_socketpair();
+    REQUIRE((again.a.get() == number || again.b.get() == number));
+    const int reused = again.a.get() == number ? again.a.get() : again.b.get();
+    const int peer = again.a.get() == number ? again.b.get() : again.a.get();
+    expect_read_parks(reused, peer, "a new socket on the number");
+  });
+}
+
 TEST_CASE("semantics: connect refused gives ECONNREFUSED, also from many fibers on several processors") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     const sockaddr_in nobody = refused_addr();
