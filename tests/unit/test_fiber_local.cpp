@@ -3,11 +3,14 @@
 //   1. Each fiber has its own value, made on first use, and keeps it across parks and
 //      migrations, while a thread_local read in the same places changes with the thread.
 //   2. A fiber's values are destroyed on that fiber when its function ends - returned, threw or
-//      was cancelled - before join() or block_on returns; a destructor may park, and may make
-//      values of other FiberLocals, which are destroyed too.
+//      was cancelled - before join() or block_on returns; a destructor may park (in a fiber not
+//      cancelled), and may make values of FiberLocals, which are destroyed too.
 //   3. A plain thread's value is its own and is destroyed when the thread exits.
 //   4. reset() and emplace() destroy the value they replace; a FiberLocal deleted while fibers
 //      hold values leaves them to be destroyed with their fibers, unseen by a new FiberLocal.
+//   5. A detached fiber's unhandled-exception handler sees its values; values the handler makes
+//      are destroyed too. A thread_local destroyed after the table was emptied may still use a
+//      FiberLocal: what it makes is destroyed with the thread.
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
@@ -232,8 +235,7 @@ TEST_CASE("fiber_local: reset and emplace destroy what they replace; a deleted F
       step.send(1);
       step.recv();  // meanwhile: `local` is deleted and a new FiberLocal made
       if (local->has_value()) ++failures;  // the new one has no value here
-      if (Tracked::alive != 1) ++failures;  // the old value lives until the fiber ends
-      local->emplace(3);
+      if (Tracked::alive != 1) ++failures;  // the old one's lives on, unseen, until the fiber ends
     });
     step.recv();
     local.reset();                                              // deletes the FiberLocal...
@@ -241,13 +243,13 @@ TEST_CASE("fiber_local: reset and emplace destroy what they replace; a deleted F
     step.send(1);
     h.join();
     CHECK(failures == 0);
-    CHECK(Tracked::made == 4);  // 1, 2, the default (the deleted key's value, destroyed last) and 3
+    CHECK(Tracked::made == 3);  // 1, 2 and the default made again, which died with the fiber
     CHECK(Tracked::alive == 0);
     CHECK(Tracked::wrong_place == 0);
   });
 }
 
-TEST_CASE("fiber_local: many FiberLocals in one fiber; a fiber on a recycled stack starts with none") {
+TEST_CASE("fiber_local: many FiberLocals in one fiber; the next fiber (on the same stack, likely) starts with none") {
   Tracked::clear();
   std::vector<std::unique_ptr<fiber::FiberLocal<Tracked>>> locals;
   for (int i = 0; i < 100; ++i) locals.push_back(std::make_unique<fiber::FiberLocal<Tracked>>());
@@ -264,5 +266,90 @@ TEST_CASE("fiber_local: many FiberLocals in one fiber; a fiber on a recycled sta
     CHECK(Tracked::alive == 0);
   }
   CHECK(Tracked::made == 300);
+  CHECK(Tracked::wrong_place == 0);
+}
+
+namespace {
+fiber::FiberLocal<Tracked>* g_handler_local = nullptr;
+std::atomic<int> g_handler_saw{0};
+void handler_using_local(const fiber::UnhandledException&) {
+  if (const Tracked* t = g_handler_local->get_if()) g_handler_saw = t->value;
+  fiber::FiberLocal<Tracked> made_here;  // a FiberLocal the fiber never used: a new value
+  made_here.emplace(99);
+  // made_here goes now, its value stays in the table until the fiber's end.
+}
+}  // namespace
+
+TEST_CASE("fiber_local: a detached fiber's unhandled-exception handler sees its values; those it makes die too") {
+  Tracked::clear();
+  fiber::FiberLocal<Tracked> local;
+  g_handler_local = &local;
+  g_handler_saw = 0;
+  const auto previous = fiber::set_unhandled_exception_handler(&handler_using_local);
+  fiber::Scheduler s({.processors = 2, .name = "fls"});
+  fiber::block_on({.scheduler = &s}, [&] {
+    go go_on(s)[&] {
+      local.emplace(42);
+      throw std::runtime_error("unobserved");
+    };
+  });
+  fiber::set_unhandled_exception_handler(previous);
+  CHECK(g_handler_saw == 42);
+  CHECK(Tracked::made == 2);
+  CHECK(Tracked::alive == 0);
+  CHECK(Tracked::wrong_place == 0);
+}
+
+namespace {
+fiber::FiberLocal<Tracked>* g_late_local = nullptr;
+// A thread_local made before the thread's first FiberLocal value, so destroyed after the
+// runtime's own thread_local cleanup has run: its destructor makes a value all the same.
+struct UsesLocalAtExit {
+  bool armed = false;
+  ~UsesLocalAtExit() {
+    if (armed) g_late_local->emplace(7);
+  }
+};
+thread_local UsesLocalAtExit t_uses_local_at_exit;
+}  // namespace
+
+TEST_CASE("fiber_local: a value made by a thread_local's destructor at thread exit is destroyed too") {
+  Tracked::clear();
+  fiber::FiberLocal<Tracked> local;
+  g_late_local = &local;
+  std::thread t([&] {
+    t_uses_local_at_exit.armed = true;  // constructed first
+    local.emplace(1);
+  });
+  t.join();
+  CHECK(Tracked::made == 2);
+  CHECK(Tracked::alive == 0);
+  CHECK(Tracked::wrong_place == 0);
+}
+
+TEST_CASE("fiber_local: a replaced value's destructor may set the same FiberLocal; emplace's value wins") {
+  struct Reenters {
+    fiber::FiberLocal<Reenters>* self;
+    int value;
+    bool reenter;
+    Reenters(fiber::FiberLocal<Reenters>* s, int v, bool r) : self(s), value(v), reenter(r) { ++Tracked::alive; }
+    ~Reenters() {
+      --Tracked::alive;
+      if (reenter) {
+        if (self->get_if() != nullptr) ++Tracked::wrong_place;  // out of the table already
+        self->emplace(self, -1, false);  // replaced at once by the emplace in progress
+      }
+    }
+  };
+  Tracked::clear();
+  fiber::FiberLocal<Reenters> local;
+  fiber::Scheduler s({.processors = 1, .name = "fls"});
+  const int got = fiber::spawn({.scheduler = &s}, [&] {
+    local.emplace(&local, 1, true);
+    Reenters& r = local.emplace(&local, 2, false);
+    return r.value == 2 && local.get_if() == &r ? local.get_if()->value : -100;
+  }).join();
+  CHECK(got == 2);
+  CHECK(Tracked::alive == 0);
   CHECK(Tracked::wrong_place == 0);
 }

@@ -6,6 +6,8 @@
 // and is owned by one fiber (its word at the top of its stack, fls_word) or one plain thread
 // (t_table). Only its owner touches it, so the tables need no synchronisation; the key registry
 // is shared and locked, but only key creation and deletion take the lock.
+#include <pthread.h>
+
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -43,15 +45,41 @@ Registry& registry() {
   return *r;
 }
 
-// A plain thread's table (a Table*, typed as the fiber's word is), and the thread_local whose
-// destructor empties it at thread exit, armed when the thread makes its table.
+// A plain thread's table (a Table*, typed as the fiber's word is). Emptied at thread exit twice
+// over: by t_exit, a thread_local destructor (on the main thread too, where exit() runs those);
+// and by a pthread key's destructor, which glibc runs after every thread_local destructor of a
+// thread that ends (not the main thread), so values made by a thread_local destructor that ran
+// after t_exit's are destroyed as well.
 thread_local void* t_table = nullptr;
+thread_local bool t_exit_armed = false;  // t_exit touched (so registered) and the key set
 void destroy_values(void** slot) noexcept;
 struct ThreadExit {
-  bool armed = false;
+  bool used = false;
   ~ThreadExit() { destroy_values(&t_table); }
 };
 thread_local ThreadExit t_exit;
+
+void thread_key_exit(void*) noexcept { destroy_values(&t_table); }
+
+// The key, made once; -1 if the process ran out of keys (then only t_exit empties the table).
+long thread_key() noexcept {
+  static const long key = [] {
+    pthread_key_t k;
+    return pthread_key_create(&k, thread_key_exit) == 0 ? static_cast<long>(k) : -1L;
+  }();
+  return key;
+}
+
+// Called when a plain thread makes a table. The key's value is any non-null pointer, set again
+// for a table made during the key's own destructor (glibc then calls it again, up to
+// PTHREAD_DESTRUCTOR_ITERATIONS rounds).
+void arm_thread_exit() noexcept {
+  if (!t_exit_armed) {
+    t_exit_armed = true;
+    t_exit.used = true;  // its first use registers its destructor with this thread
+  }
+  if (const long key = thread_key(); key >= 0) pthread_setspecific(static_cast<pthread_key_t>(key), &t_table);
+}
 
 // Where the caller's table pointer lives: its fiber's stack word, or its thread's. Not inlined
 // (invariant 3): a fiber may be on another thread than at its last call.
@@ -74,7 +102,7 @@ Table* table_with(void** slot, std::uint32_t index) {
       delete[] entries;
       throw;
     }
-    if (slot == &t_table) t_exit.armed = true;  // its first use registers the destructor
+    if (slot == &t_table) arm_thread_exit();
   } else {
     std::memcpy(entries, t->entries, t->size * sizeof(Entry));
     delete[] t->entries;
@@ -143,12 +171,21 @@ void* fls_get(FlsKey key) noexcept {
 }
 
 void fls_set(FlsKey key, void* value, FlsDestroy destroy) {
-  Entry& e = table_with(table_slot(), key.index)->entries[key.index];
-  // The old value may belong to a deleted key of this slot: it is destroyed all the same.
-  void* old = e.value;
-  const FlsDestroy old_destroy = e.destroy;
+  void** slot = table_slot();
+  Table* t = table_with(slot, key.index);  // the only step that may throw
+  // The value replaced (maybe a deleted key's, on this slot) goes first, out of the table, so
+  // its destructor sees none; it may use FiberLocals, this one included, and grow the table.
+  if (void* old = t->entries[key.index].value) {
+    const FlsDestroy old_destroy = t->entries[key.index].destroy;
+    t->entries[key.index].value = nullptr;
+    old_destroy(old);
+    t = table_with(slot, key.index);  // cannot throw: the table had room for `index`
+  }
+  Entry& e = t->entries[key.index];
+  void* interloper = e.value;  // set by that destructor: replaced by `value` as well
+  const FlsDestroy interloper_destroy = e.destroy;
   e = {key.gen, value, destroy};
-  if (old != nullptr) old_destroy(old);  // last: it may use this FiberLocal, and sees `value`
+  if (interloper != nullptr) interloper_destroy(interloper);
 }
 
 void fls_reset(FlsKey key) noexcept {

@@ -285,7 +285,12 @@ Processor::SwitchMsg Processor::fiber_body(Transfer t) noexcept {
   Fiber* self = static_cast<SwitchMsg*>(t.data)->to;
   complete_switch(t);  // a new fiber handles no exception yet: the switcher left none (switch_to)
   run_task(self);
-  if (fls_word(self) != nullptr) fls_fiber_exit(self);  // its FiberLocal values, on its own stack
+  // Its FiberLocal values, on its own stack: a JoinHandle's fiber's now, before a join can
+  // return; a detached fiber's in complete_fiber, after its unhandled-exception handler, which
+  // may want them (a request id to log). Detached is final, so a relaxed look decides.
+  if (fls_word(self) != nullptr && self->join_word.load(std::memory_order_relaxed) != Fiber::kJoinDetached) {
+    fls_fiber_exit(self);
+  }
   complete_fiber(self);  // counts the finish
   self->set_state(FiberState::Running, FiberState::Finished);  // only the fiber leaves Running
   // Read after complete_fiber: the unhandled-exception handler it may call can block, and the

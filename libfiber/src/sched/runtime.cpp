@@ -418,7 +418,12 @@ void complete_fiber(Fiber* f) noexcept {
   // counted alive until it returns, for stop() to cancel that wait rather than shut the
   // processors down under it. A joinable one is counted finished before a joiner can see it
   // so: join() returned means live_fibers() no longer counts it.
-  if (old == Fiber::kJoinDetached) report_if_unobserved(f);
+  if (old == Fiber::kJoinDetached) {
+    report_if_unobserved(f);
+    // Its FiberLocal values (those the handler made too), still counted alive, as the handler
+    // is: their destructors may block. A fiber that never got a stack has none.
+    if (f->stack && fls_word(f) != nullptr) fls_fiber_exit(f);
+  }
   leave_scheduler(f);
   f->join_word.store(Fiber::kJoinFinished, std::memory_order_release);
   // kJoinArming: a waiter is writing the record; its CAS to kJoinWaiting fails and it ends its

@@ -12,8 +12,9 @@ namespace fiber::detail {
 uint64_t allocate_fiber_ids(uint64_t n) noexcept;
 // Runs the fiber's task on its own stack; an escaping exception is stored in task->error.
 void run_task(Fiber* self) noexcept;
-// Destroys the FiberLocal values of `self` (which has one or more), on its own stack, after its
-// task and before complete_fiber (fiber_local.cpp).
+// Destroys the FiberLocal values of `self` (which has a table), on its own stack, after its
+// task: before complete_fiber for a joinable fiber, inside it (after the unhandled-exception
+// handler) for a detached one (fiber_local.cpp).
 void fls_fiber_exit(Fiber* self) noexcept;
 // The fiber is done (ran, or could not get a stack): wake its joiner, leave its group and the
 // registry, report an unobserved exception of a detached fiber. On the processor that ran it.
