@@ -14,7 +14,7 @@
 //   io_uring engine waits on blocking descriptors natively.
 // - Timeouts are infinite unless SO_RCVTIMEO / SO_SNDTIMEO set one; on expiry reads, writes and
 //   accept fail with EAGAIN, a TCP connect with EINPROGRESS (a Unix one: EAGAIN). connect
-//   reports the real SO_ERROR. A negative timeout is the kernel's "never wait": the real call.
+//   reports the real SO_ERROR. A negative timeout is the kernel's "never wait": EAGAIN at once.
 // - A blocking write writes everything (short writes loop), as on a blocking socket; a
 //   MSG_FASTOPEN send that could only start the connection waits for it, then sends.
 // - errno is set after the last switch, through a non-inlined store: the fiber may have moved
@@ -189,18 +189,21 @@ T finish(T r, const fiber::io::Deadline& d = {}, int timeout_errno = EAGAIN) noe
 // kMessage: a socket that moves whole messages (SOCK_DGRAM, SOCK_SEQPACKET, SOCK_RAW, ...): a send
 // is all or nothing and MSG_WAITALL means nothing; only SOCK_STREAM has a byte stream to finish.
 // kRecvNoWait / kSendNoWait: a socket whose SO_RCVTIMEO / SO_SNDTIMEO was set negative, which the
-// kernel takes as "never wait" (EAGAIN at once, as non-blocking) but reads back as {0, 0}, the
-// same as "no timeout": only the hook's own memory of the setsockopt (FdInfo::no_wait) tells.
-// The kernel's own call then never blocks, so it is the one made.
+// kernel takes as "never wait" (EAGAIN at once, as if non-blocking) but reads back as {0, 0},
+// the same as "no timeout": only the hook's own memory of the setsockopt (FdInfo::no_wait)
+// tells. Receives and sends then make their one try without waiting and return what it gave,
+// which is what the kernel's call does; accept and connect make the kernel's call, which does
+// not wait either.
 enum : uint8_t { kKnown = 1, kSocket = 2, kNonblock = 4, kSeekable = 8, kMessage = 16, kRecvNoWait = 32, kSendNoWait = 64 };
-constexpr uint8_t kNoWaitRecv = kNonblock | kRecvNoWait;  // a receive (or accept) never waits
-constexpr uint8_t kNoWaitSend = kNonblock | kSendNoWait;  // a send (or connect) never waits
 
 struct FdInfo {
   std::atomic<uint8_t> flags{0};       // kKnown | kSocket | kNonblock | kSeekable | kMessage | k*NoWait; 0: ask the kernel
   // kRecvNoWait | kSendNoWait as the last successful setsockopt of SO_RCVTIMEO / SO_SNDTIMEO
-  // through this number left them (a negative time); cleared with the number (forget). A dup
-  // shares the socket but not this: there the kernel's {0, 0} is taken for "no timeout".
+  // through this number left them (a negative time); cleared with the number (forget), copied
+  // to a dup when it is made and to a TCP connection accepted from it (which inherits the
+  // listener's timeouts). A change made later through another number of the same socket (a
+  // dup, or a copy in another process) is not seen here: a stale "no wait" gives EAGAIN where
+  // the call would wait; it never blocks the thread, except an accept or connect.
   std::atomic<uint8_t> no_wait{0};
   // Set by dup*/F_DUPFD on both descriptors: the open file description (O_NONBLOCK) and the socket
   // (SO_*TIMEO) are shared, so a change made through one must reach what is known of the other.
@@ -258,10 +261,17 @@ void changed(int fd) noexcept {
   if (i != nullptr) i->flags.store(0, std::memory_order_relaxed);
 }
 
-// `a` and `b` now share an open file description (dup).
+// `a` and `b` now share an open file description (dup); `b` is the new number.
 void mark_shared(int a, int b) noexcept {
-  if (FdInfo* i = info(a)) i->shared.store(1, std::memory_order_relaxed);
-  if (FdInfo* i = info(b)) i->shared.store(1, std::memory_order_relaxed);
+  uint8_t no_wait = 0;
+  if (FdInfo* i = info(a)) {
+    i->shared.store(1, std::memory_order_relaxed);
+    no_wait = i->no_wait.load(std::memory_order_relaxed);
+  }
+  if (FdInfo* i = info(b)) {
+    i->shared.store(1, std::memory_order_relaxed);
+    i->no_wait.store(no_wait, std::memory_order_relaxed);
+  }
 }
 
 // Every number in [first, last] that the hook knows of (close_range, closefrom). Only chunks that
@@ -383,10 +393,10 @@ template <typename Now, typename Wait>
 ssize_t park_read(int fd, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNoWaitRecv)) return -2;  // the caller makes the real call
+  if (!(f & kKnown) || (f & kNonblock)) return -2;  // the caller makes the real call
   if (f & kSocket) {
     const ssize_t r = now();
-    if (r >= 0 || get_errno() != EAGAIN) return r;
+    if (r >= 0 || get_errno() != EAGAIN || (f & kRecvNoWait)) return r;
   }
   const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
   return finish(wait(d), d);
@@ -477,10 +487,10 @@ ssize_t park_read_all(int fd, msghdr& m, int flags, Now&& now, Wait&& wait) noex
   FdInfo* i;
   const uint8_t f = learn(fd, i);
   if (!(f & kSocket) || (f & kMessage)) return park_read(fd, now, wait);
-  if (f & kNoWaitRecv) return -2;  // the kernel ignores MSG_WAITALL there too
+  if (f & kNonblock) return -2;  // the kernel ignores MSG_WAITALL there too
   const size_t ctl = m.msg_controllen;  // the call overwrites it with what it used
   const ssize_t r = now();
-  if (r < 0 && get_errno() != EAGAIN) return r;
+  if ((r < 0 && get_errno() != EAGAIN) || (f & kRecvNoWait)) return r;  // no wait: what is there
   if (r == 0) return 0;  // end of file, or nothing asked
   return recv_rest(fd, m, flags, r > 0 ? static_cast<size_t>(r) : 0, ctl,
                    deadline_of(i->rcv_timeout.load(std::memory_order_relaxed)));
@@ -529,7 +539,7 @@ int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   if (!may_park()) return REAL(connect, SYS_connect, fd, addr, len);
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNoWaitSend) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
+  if (!(f & kKnown) || (f & (kNonblock | kSendNoWait)) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
   // SO_SNDTIMEO's expiry: a TCP connect goes on in the background (EINPROGRESS); a Unix one
   // waited for room in the listener's queue, and gives up (EAGAIN).
@@ -547,9 +557,22 @@ int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {
   if (!may_park()) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNoWaitRecv)) return forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
-  const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
-  return forgotten(finish(fiber::io::accept(fd, addr, len, flags, d), d));
+  int r;
+  if (!(f & kKnown) || (f & (kNonblock | kRecvNoWait))) {
+    r = forgotten(REAL(accept4, SYS_accept4, fd, addr, len, flags));
+  } else {
+    const fiber::io::Deadline d = deadline_of(i->rcv_timeout.load(std::memory_order_relaxed));
+    r = forgotten(finish(fiber::io::accept(fd, addr, len, flags, d), d));
+  }
+  // A TCP connection takes its listener's timeouts (a Unix one starts with none).
+  if (const uint8_t no_wait = i != nullptr ? i->no_wait.load(std::memory_order_relaxed) : 0; r >= 0 && no_wait != 0) {
+    int domain = 0;
+    socklen_t dlen = sizeof domain;
+    if (::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 && (domain == AF_INET || domain == AF_INET6)) {
+      if (FdInfo* n = info(r)) n->no_wait.store(no_wait, std::memory_order_relaxed);
+    }
+  }
+  return r;
 }
 
 int accept(int fd, struct sockaddr* addr, socklen_t* len) { return accept4(fd, addr, len, 0); }
@@ -669,7 +692,7 @@ template <typename Now, typename Wait>
 ssize_t park_write(int fd, size_t total, int flags, Now&& now, Wait&& wait) noexcept {
   FdInfo* i;
   const uint8_t f = learn(fd, i);
-  if (!(f & kKnown) || (f & kNoWaitSend)) return -2;
+  if (!(f & kKnown) || (f & kNonblock)) return -2;
   size_t done = 0;
   if (!(f & kSocket)) {  // pipes, files: a blocking write(2) writes everything too
     // ... except that a regular file's stops short at a limit (RLIMIT_FSIZE, a full disk): one
@@ -687,7 +710,7 @@ ssize_t park_write(int fd, size_t total, int flags, Now&& now, Wait&& wait) noex
     return static_cast<ssize_t>(done);
   }
   const ssize_t r = now();
-  if (r < 0 && get_errno() != EAGAIN) return r;
+  if ((r < 0 && get_errno() != EAGAIN) || (f & kSendNoWait)) return r;  // no wait: what went
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
   if (f & kMessage) {  // one message, whole (even empty)
     if (r >= 0) return r;
@@ -812,8 +835,9 @@ ssize_t sendto(int fd, const void* buf, size_t n, int flags, const struct sockad
   if (may_park() && !(flags & MSG_DONTWAIT)) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kSocket) && !(f & kNoWaitSend)) {
+    if ((f & kSocket) && !(f & kNonblock)) {
       const ssize_t r = REAL(sendto, SYS_sendto, fd, buf, n, flags | MSG_DONTWAIT, addr, len);
+      if (f & kSendNoWait) return r;
       iovec iov{const_cast<void*>(buf), n};
       msghdr m{};
       m.msg_name = const_cast<sockaddr*>(addr);
@@ -830,9 +854,10 @@ ssize_t sendmsg(int fd, const struct msghdr* msg, int flags) {
   if (may_park() && !(flags & MSG_DONTWAIT)) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNoWaitSend)) {
+    if ((f & kKnown) && !(f & kNonblock)) {
       // A failure other than EAGAIN (a bad msg among them) is returned unread by send_after.
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, msg, flags | MSG_DONTWAIT);
+      if (f & kSendNoWait) return r;
       return send_after(fd, *msg, flags, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
     }
   }
@@ -843,7 +868,7 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
   if (may_park()) {
     FdInfo* i;
     const uint8_t f = learn(fd, i);
-    if ((f & kKnown) && !(f & kNoWaitSend)) {
+    if ((f & kKnown) && !(f & kNonblock)) {
       if (cnt < 0 || cnt > IOV_MAX) return REAL(writev, SYS_writev, fd, iov, cnt);  // EINVAL
       msghdr m{};
       m.msg_iov = const_cast<iovec*>(iov);
@@ -857,6 +882,7 @@ ssize_t writev(int fd, const struct iovec* iov, int cnt) {
         return send_rest(fd, m, 0, static_cast<size_t>(r), fiber::io::Deadline(), false);
       }
       const ssize_t r = REAL(sendmsg, SYS_sendmsg, fd, &m, MSG_DONTWAIT);
+      if (f & kSendNoWait) return r;
       return send_after(fd, m, 0, r, f, deadline_of(i->snd_timeout.load(std::memory_order_relaxed)));
     }
   }

@@ -72,6 +72,41 @@ bool near(std::chrono::microseconds got, std::chrono::microseconds want) {
   return got >= want && got <= want + std::chrono::milliseconds(10);
 }
 
+// Blocking calls of one byte on a socket, for tests that run each of them.
+using SockCall = long (*)(int);
+const std::pair<const char*, SockCall> kOneByteReads[] = {
+    {"read", [](int fd) -> long { char c; return ::read(fd, &c, 1); }},
+    {"readv", [](int fd) -> long { char c; iovec iov{&c, 1}; return ::readv(fd, &iov, 1); }},
+    {"recv", [](int fd) -> long { char c; return ::recv(fd, &c, 1, 0); }},
+    {"recvfrom", [](int fd) -> long {
+       char c;
+       sockaddr_storage ss;
+       socklen_t len = sizeof ss;
+       return ::recvfrom(fd, &c, 1, 0, reinterpret_cast<sockaddr*>(&ss), &len);
+     }},
+    {"recvmsg", [](int fd) -> long {
+       char c;
+       iovec iov{&c, 1};
+       msghdr m{};
+       m.msg_iov = &iov;
+       m.msg_iovlen = 1;
+       return ::recvmsg(fd, &m, 0);
+     }},
+};
+const std::pair<const char*, SockCall> kOneByteWrites[] = {
+    {"write", [](int fd) -> long { return ::write(fd, "x", 1); }},
+    {"writev", [](int fd) -> long { iovec iov{const_cast<char*>("x"), 1}; return ::writev(fd, &iov, 1); }},
+    {"send", [](int fd) -> long { return ::send(fd, "x", 1, 0); }},
+    {"sendto", [](int fd) -> long { return ::sendto(fd, "x", 1, 0, nullptr, 0); }},
+    {"sendmsg", [](int fd) -> long {
+       iovec iov{const_cast<char*>("x"), 1};
+       msghdr m{};
+       m.msg_iov = &iov;
+       m.msg_iovlen = 1;
+       return ::sendmsg(fd, &m, 0);
+     }},
+};
+
 // A blocking read of one byte that must park until `writer` end gets a byte.
 void expect_read_parks(int rd, int wr, const std::string& what) {
   char c = 0;
@@ -231,26 +266,7 @@ TEST_CASE("semantics: a number that held a socket with SO_RCVTIMEO keeps no time
 }
 
 TEST_CASE("semantics: SO_RCVTIMEO expiry gives EAGAIN from every read and from accept") {
-  using ReadCall = long (*)(int);
-  const std::pair<const char*, ReadCall> reads[] = {
-      {"read", [](int fd) -> long { char c; return ::read(fd, &c, 1); }},
-      {"readv", [](int fd) -> long { char c; iovec iov{&c, 1}; return ::readv(fd, &iov, 1); }},
-      {"recv", [](int fd) -> long { char c; return ::recv(fd, &c, 1, 0); }},
-      {"recvfrom", [](int fd) -> long {
-         char c;
-         sockaddr_storage ss;
-         socklen_t len = sizeof ss;
-         return ::recvfrom(fd, &c, 1, 0, reinterpret_cast<sockaddr*>(&ss), &len);
-       }},
-      {"recvmsg", [](int fd) -> long {
-         char c;
-         iovec iov{&c, 1};
-         msghdr m{};
-         m.msg_iov = &iov;
-         m.msg_iovlen = 1;
-         return ::recvmsg(fd, &m, 0);
-       }},
-  };
+  const auto& reads = kOneByteReads;
   on_fiber(1, [&] {
     for (const auto& [name, fn] : reads) {
       Pair p = make_socketpair();
@@ -289,20 +305,7 @@ TEST_CASE("semantics: SO_RCVTIMEO expiry gives EAGAIN from every read and from a
 }
 
 TEST_CASE("semantics: SO_SNDTIMEO expiry gives EAGAIN from writes, a partial count after progress, EINPROGRESS from connect") {
-  using WriteCall = long (*)(int);
-  const std::pair<const char*, WriteCall> writes[] = {
-      {"write", [](int fd) -> long { return ::write(fd, "x", 1); }},
-      {"writev", [](int fd) -> long { iovec iov{const_cast<char*>("x"), 1}; return ::writev(fd, &iov, 1); }},
-      {"send", [](int fd) -> long { return ::send(fd, "x", 1, 0); }},
-      {"sendto", [](int fd) -> long { return ::sendto(fd, "x", 1, 0, nullptr, 0); }},
-      {"sendmsg", [](int fd) -> long {
-         iovec iov{const_cast<char*>("x"), 1};
-         msghdr m{};
-         m.msg_iov = &iov;
-         m.msg_iovlen = 1;
-         return ::sendmsg(fd, &m, 0);
-       }},
-  };
+  const auto& writes = kOneByteWrites;
   on_fiber(1, [&] {
     for (const auto& [name, fn] : writes) {
       Pair p = make_socketpair();
@@ -372,59 +375,90 @@ TEST_CASE("semantics: SO_SNDTIMEO expiry gives EAGAIN from writes, a partial cou
 // memory of the setsockopt, each call below parked until its release.
 TEST_CASE("semantics: a negative SO_RCVTIMEO or SO_SNDTIMEO never waits, as the kernel's: EAGAIN at once") {
   const timeval negative{-1, 0};
+  const auto set_negative = [&](int fd, int opt) {
+    REQUIRE(::setsockopt(fd, SOL_SOCKET, opt, &negative, sizeof negative) == 0);
+  };
   const auto expect_eagain = [](const Parked<Res>& r, const std::string& what) {
     CHECK_MESSAGE((r.value.r == -1 && r.value.e == EAGAIN), what << ": " << r.value.r << " errno " << err_str(r.value.e));
     CHECK_MESSAGE(!r.parked, what << " parked");
   };
-  {  // The kernel, on a plain thread.
+  // The one-byte reads, and a MSG_WAITALL receive (its own path in the hook).
+  std::vector<std::pair<const char*, SockCall>> reads(std::begin(kOneByteReads), std::end(kOneByteReads));
+  reads.emplace_back("recv MSG_WAITALL", [](int fd) -> long { char c; return ::recv(fd, &c, 1, MSG_WAITALL); });
+  const auto& writes = kOneByteWrites;
+  {  // The kernel, on a plain thread (real calls there): a TCP connection accepted from a
+     // listener with the setting has it too.
     Pair p = make_socketpair();
-    REQUIRE(::setsockopt(p.a, SOL_SOCKET, SO_RCVTIMEO, &negative, sizeof negative) == 0);
+    set_negative(p.a, SO_RCVTIMEO);
     CHECK(get_timeout(p.a, SO_RCVTIMEO) == 0us);
     char c;
     const Res r = call([&] { return ::read(p.a, &c, 1); });
     CHECK((r.r == -1 && r.e == EAGAIN));
+    Listener l = tcp_listener();
+    set_negative(l.fd, SO_RCVTIMEO);
+    Fd client(::socket(AF_INET, SOCK_STREAM, 0));
+    REQUIRE(::connect(client, sa(l.addr), sizeof l.addr) == 0);
+    Fd conn(::accept(l.fd, nullptr, nullptr));
+    REQUIRE(conn >= 0);
+    const Res inherited = call([&] { return ::read(conn, &c, 1); });
+    CHECK((inherited.r == -1 && inherited.e == EAGAIN));
   }
   on_fiber(1, [&] {
     char c = 0;
     // Set before the hook first sees the socket, and after it learned that it had no timeout.
     for (const bool learned_first : {false, true}) {
       CAPTURE(learned_first);
+      for (const auto& [name, fn] : reads) {
+        Pair p = make_socketpair();
+        if (learned_first) expect_read_parks(p.a, p.b, "before the negative SO_RCVTIMEO");
+        set_negative(p.a, SO_RCVTIMEO);
+        expect_eagain(no_park_call([&] { return call([&] { return fn(p.a); }); }, [&] { write_str(p.b, "r"); }), name);
+        write_str(p.b, "d");
+        CHECK_MESSAGE(fn(p.a) == 1, name << ": what is there is read");
+      }
+    }
+    {  // Only the direction set: a negative SO_SNDTIMEO leaves reads waiting; {0, 0} again is none.
       Pair p = make_socketpair();
-      if (learned_first) expect_read_parks(p.a, p.b, "before the negative SO_RCVTIMEO");
-      REQUIRE(::setsockopt(p.a, SOL_SOCKET, SO_RCVTIMEO, &negative, sizeof negative) == 0);
-      expect_eagain(no_park_call([&] { return call([&] { return ::read(p.a, &c, 1); }); }, [&] { write_str(p.b, "r"); }),
-                    "read");
-      expect_eagain(no_park_call([&] { return call([&] { return ::recv(p.a, &c, 1, MSG_WAITALL); }); },
-                                 [&] { write_str(p.b, "w"); }),
-                    "recv MSG_WAITALL");
-      write_str(p.b, "d");
-      CHECK(::read(p.a, &c, 1) == 1);  // what is there is read
-      set_timeout(p.a, SO_RCVTIMEO, 0us);  // none again: reads wait
+      set_negative(p.a, SO_SNDTIMEO);
+      expect_read_parks(p.a, p.b, "with a negative SO_SNDTIMEO");
+      set_negative(p.a, SO_RCVTIMEO);
+      set_timeout(p.a, SO_RCVTIMEO, 0us);
       expect_read_parks(p.a, p.b, "after SO_RCVTIMEO {0, 0}");
     }
-    Listener l = tcp_listener();
-    REQUIRE(::setsockopt(l.fd, SOL_SOCKET, SO_RCVTIMEO, &negative, sizeof negative) == 0);
-    Fd client;
-    expect_eagain(no_park_call([&] { return call([&] { return ::accept(l.fd, nullptr, nullptr); }); },
-                               [&] {
-                                 client = Fd(::socket(AF_INET, SOCK_STREAM, 0));
-                                 (void)::connect(client, sa(l.addr), sizeof l.addr);
-                               }),
-                  "accept");
-    Pair w = make_socketpair();
-    REQUIRE(::setsockopt(w.a, SOL_SOCKET, SO_SNDTIMEO, &negative, sizeof negative) == 0);
-    const size_t filled = fill(w.a);
-    expect_eagain(no_park_call([&] { return call([&] { return ::write(w.a, "x", 1); }); },
-                               [&] { drain(w.b, filled + 1); }),
-                  "write to a full socket");
-    // The number closed and made again is a new socket, without the old one's setting.
-    const int number = w.a.get();
-    w.a.reset();
-    Pair again = make_socketpair();
-    REQUIRE((again.a.get() == number || again.b.get() == number));
-    const int reused = again.a.get() == number ? again.a.get() : again.b.get();
-    const int peer = again.a.get() == number ? again.b.get() : again.a.get();
-    expect_read_parks(reused, peer, "a new socket on the number");
+    for (const auto& [name, fn] : writes) {
+      Pair w = make_socketpair();
+      set_negative(w.a, SO_SNDTIMEO);
+      const size_t filled = fill(w.a);
+      expect_eagain(no_park_call([&] { return call([&] { return fn(w.a); }); }, [&] { drain(w.b, filled + 1); }), name);
+    }
+    {  // accept, and the TCP connection it gives, which inherits the listener's setting.
+      Listener l = tcp_listener();
+      set_negative(l.fd, SO_RCVTIMEO);
+      Fd client;
+      expect_eagain(no_park_call([&] { return call([&] { return ::accept(l.fd, nullptr, nullptr); }); },
+                                 [&] {
+                                   client = Fd(::socket(AF_INET, SOCK_STREAM, 0));
+                                   (void)::connect(client, sa(l.addr), sizeof l.addr);
+                                 }),
+                    "accept");
+      Fd early(::socket(AF_INET, SOCK_STREAM, 0));
+      REQUIRE(::connect(early, sa(l.addr), sizeof l.addr) == 0);
+      Fd conn(::accept(l.fd, nullptr, nullptr));
+      REQUIRE(conn >= 0);
+      expect_eagain(no_park_call([&] { return call([&] { return ::read(conn, &c, 1); }); }, [&] { write_str(early, "a"); }),
+                    "read on an accepted TCP connection");
+    }
+    {  // A dup shares the socket, so the setting; a number dup2 makes anew has its new socket's.
+      Pair p = make_socketpair();
+      set_negative(p.a, SO_RCVTIMEO);
+      Fd d(::dup(p.a));
+      REQUIRE(d >= 0);
+      expect_eagain(no_park_call([&] { return call([&] { return ::read(d, &c, 1); }); }, [&] { write_str(p.b, "u"); }),
+                    "read through a dup");
+      Pair other = make_socketpair();
+      REQUIRE(::dup2(other.a, p.a) == p.a);
+      expect_read_parks(p.a, other.b, "a number dup2 gave another socket");
+    }
   });
 }
 
