@@ -32,6 +32,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
+#include <setjmp.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/select.h>
@@ -74,6 +75,7 @@
 extern "C" {
 // Fortified variants (-D_FORTIFY_SOURCE) call these instead of the plain names.
 void __chk_fail(void) __attribute__((noreturn));
+void __longjmp_chk(jmp_buf env, int val) __attribute__((noreturn));
 }
 
 namespace {
@@ -130,7 +132,8 @@ Fn lazy(Fn& slot, const char* name) noexcept {
 // ------------------------------------------------------------------------------ when to park
 
 // >0 while this thread runs a signal handler the program installed (see sigaction below): a
-// hooked call there is the real call, never a park (a handler must not switch stacks).
+// hooked call there is the real call, never a park (a handler must not switch stacks). A
+// handler left with a longjmp is counted out by the longjmp hooks (below).
 thread_local int t_in_signal = 0;
 
 // The runtime makes its own system calls through syscall(2), never through these hooks, so a
@@ -1294,10 +1297,74 @@ using PlainHandler = void (*)(int);
 // sigaction before the trampoline is installed, read by the trampoline.
 std::atomic<void*> g_user_handler[_NSIG];
 std::atomic<bool> g_user_siginfo[_NSIG];
+std::atomic<bool> g_user_onstack[_NSIG];  // installed with SA_ONSTACK: may run on sigaltstack
+
+// Where each handler level of this thread runs, so that a longjmp can tell which levels it
+// leaves (the SIGALRM-timeout pattern jumps out of the handler and never returns through the
+// trampoline): the trampoline's frame, and the alternate stack's bounds if the handler is on it
+// (0, 0 if not). Levels nested deeper than kMaxHandlerFrames are not recorded, and a longjmp
+// does not count them out.
+constexpr int kMaxHandlerFrames = 8;
+struct HandlerFrame {
+  uintptr_t sp;
+  uintptr_t alt_lo, alt_hi;
+};
+thread_local HandlerFrame t_handler_frames[kMaxHandlerFrames];
+
+// The stack pointer a jmp_buf jumps to. glibc stores it mangled (PTR_MANGLE: xor with the
+// thread's pointer guard at %fs:0x30, then rotate left by 17 on x86-64); jmp_sp_readable()
+// checks the reading once against a setjmp of its own, and without it a longjmp counts no
+// handler out (the hooks then stay real calls in that thread, as before there were these hooks).
+uintptr_t jmp_target_sp(const __jmp_buf_tag* env) noexcept {
+#if defined(__x86_64__) && defined(__GLIBC__)
+  uintptr_t guard;
+  asm("mov %%fs:0x30, %0" : "=r"(guard));
+  const auto v = static_cast<uintptr_t>(env->__jmpbuf[6]);  // JB_RSP
+  return ((v >> 17) | (v << 47)) ^ guard;
+#else
+  (void)env;
+  return 0;
+#endif
+}
+
+__attribute__((noinline)) bool read_own_setjmp() noexcept {
+  jmp_buf jb;
+  if (setjmp(jb) != 0) return false;  // never jumped to
+  const auto here = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  const uintptr_t sp = jmp_target_sp(jb);
+  return sp != 0 && sp <= here && here - sp < 65536;  // within this very frame
+}
+
+bool jmp_sp_readable() noexcept {
+  static const bool ok = read_own_setjmp();
+  return ok;
+}
+
+// A longjmp to `env` is about to leave this thread's innermost handler levels whose frames lie
+// below its target (or, for one on the alternate stack, whose stack the target is off).
+void count_out_handlers(const __jmp_buf_tag* env) noexcept {
+  if (t_in_signal == 0 || !jmp_sp_readable()) return;
+  const uintptr_t target = jmp_target_sp(env);
+  while (t_in_signal > 0 && t_in_signal <= kMaxHandlerFrames) {
+    const HandlerFrame& fr = t_handler_frames[t_in_signal - 1];
+    const bool left = fr.alt_hi != 0 ? (target < fr.alt_lo || target >= fr.alt_hi) : target > fr.sp;
+    if (!left) break;
+    --t_in_signal;
+  }
+}
 
 void trampoline(int sig, siginfo_t* info, void* uc) {
   const int saved = errno;  // handlers may clobber it; the interrupted code must not see that
-  ++t_in_signal;
+  if (const int level = t_in_signal++; level < kMaxHandlerFrames) {
+    HandlerFrame& fr = t_handler_frames[level];
+    fr = {reinterpret_cast<uintptr_t>(__builtin_frame_address(0)), 0, 0};
+    stack_t ss;
+    if (g_user_onstack[sig].load(std::memory_order_relaxed) && ::syscall(SYS_sigaltstack, nullptr, &ss) == 0 &&
+        (ss.ss_flags & SS_ONSTACK)) {
+      fr.alt_lo = reinterpret_cast<uintptr_t>(ss.ss_sp);
+      fr.alt_hi = fr.alt_lo + ss.ss_size;
+    }
+  }
   void* h = g_user_handler[sig].load(std::memory_order_acquire);
   if (g_user_siginfo[sig].load(std::memory_order_relaxed)) {
     reinterpret_cast<SigInfoHandler>(h)(sig, info, uc);
@@ -1323,6 +1390,7 @@ int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexc
   if (is_handler) {
     const bool si = (act->sa_flags & SA_SIGINFO) != 0;
     g_user_siginfo[sig].store(si, std::memory_order_relaxed);
+    g_user_onstack[sig].store((act->sa_flags & SA_ONSTACK) != 0, std::memory_order_relaxed);
     g_user_handler[sig].store(si ? reinterpret_cast<void*>(act->sa_sigaction) : reinterpret_cast<void*>(act->sa_handler),
                               std::memory_order_release);
     mine = *act;
@@ -1341,6 +1409,29 @@ int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexc
     }
   }
   return rc;
+}
+
+// longjmp and friends (fortified builds call __longjmp_chk): count out the handler levels the
+// jump leaves, then jump.
+[[noreturn]] void siglongjmp(sigjmp_buf env, int val) noexcept {
+  count_out_handlers(env);
+  lazy(real_siglongjmp, "siglongjmp")(env, val);
+  __builtin_unreachable();
+}
+[[noreturn]] void longjmp(jmp_buf env, int val) noexcept {
+  count_out_handlers(env);
+  lazy(real_longjmp, "longjmp")(env, val);
+  __builtin_unreachable();
+}
+[[noreturn]] void _longjmp(jmp_buf env, int val) noexcept {
+  count_out_handlers(env);
+  lazy(real__longjmp, "_longjmp")(env, val);
+  __builtin_unreachable();
+}
+[[noreturn]] void __longjmp_chk(jmp_buf env, int val) {
+  count_out_handlers(env);
+  lazy(real___longjmp_chk, "__longjmp_chk")(env, val);
+  __builtin_unreachable();
 }
 
 // glibc's signal() installs its handler through an internal sigaction no preload sees: redo it

@@ -64,6 +64,10 @@
   X(int, usleep, (useconds_t us), (us))                                                                  \
   X(int, nanosleep, (const struct timespec* req, struct timespec* rem), (req, rem))                      \
   X(int, sigaction, (int sig, const struct sigaction* act, struct sigaction* old), (sig, act, old))     \
+  X(void, siglongjmp, (sigjmp_buf env, int val), (env, val))                                             \
+  X(void, longjmp, (jmp_buf env, int val), (env, val))                                                   \
+  X(void, _longjmp, (jmp_buf env, int val), (env, val))                                                  \
+  X(void, __longjmp_chk, (jmp_buf env, int val), (env, val))                                             \
   X(int, getaddrinfo, (const char* node, const char* service, const struct addrinfo* hints,              \
                        struct addrinfo** res),                                                           \
     (node, service, hints, res))                                                                         \

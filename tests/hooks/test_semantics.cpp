@@ -16,8 +16,10 @@
 
 #include <dirent.h>
 #include <netinet/tcp.h>
+#include <setjmp.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/select.h>
 #include <sys/syscall.h>
@@ -998,6 +1000,91 @@ TEST_CASE("semantics: a signal handler interrupting a fiber makes real calls; er
     CHECK((::signal(SIGUSR1, SIG_DFL) == on_usr1));
     ::sigaction(SIGUSR1, &old, nullptr);
   });
+}
+
+namespace {
+sigjmp_buf g_out_of_handler;
+sigjmp_buf g_within_handler;
+std::atomic<bool> g_probe_ran{false};
+// 0: siglongjmp out; 1: longjmp out; 2: a jump within, then out; 3: siglongjmp out from the
+// alternate signal stack.
+std::atomic<int> g_jump_how{0};
+std::atomic<bool> g_parked_in_handler{false};
+void jumping_handler(int) {
+  if (g_jump_how == 2) {
+    if (sigsetjmp(g_within_handler, 0) == 0) siglongjmp(g_within_handler, 1);
+    // Still in the handler after a jump inside it: a hooked sleep is the real one.
+    ::usleep(2000);
+    g_parked_in_handler = g_probe_ran.load();
+  }
+  if (g_jump_how == 1) longjmp(g_out_of_handler, 1);
+  siglongjmp(g_out_of_handler, 1);
+}
+// Raises SIGUSR2 at this thread; true once the handler jumped back here.
+__attribute__((noinline)) bool raise_and_land() {
+  if (sigsetjmp(g_out_of_handler, 1) != 0) return true;
+  ::raise(SIGUSR2);
+  return false;
+}
+}  // namespace
+
+// The alarm-timeout pattern: a handler leaves with a longjmp and never returns through the
+// hook's trampoline, which counts the thread "in a handler" (hooked calls then the real ones).
+// The longjmp hooks count it out; before them every later hooked call on that processor's
+// thread was a real, blocking one.
+TEST_CASE("semantics: a signal handler left with siglongjmp or longjmp leaves hooked calls parking again") {
+  struct sigaction act{}, old{};
+  act.sa_handler = jumping_handler;
+  sigemptyset(&act.sa_mask);
+  REQUIRE(::sigaction(SIGUSR2, &act, &old) == 0);
+  on_fiber(1, [&] {
+    for (const int how : {0, 1, 2, 3}) {
+      CAPTURE(how);
+      g_jump_how = how;
+      void* alt = MAP_FAILED;
+      constexpr size_t kAltSize = 1 << 16;
+      if (how == 3) {
+        // This processor thread gets an alternate stack and the handler SA_ONSTACK. The stack is
+        // mapped *above* the fiber's, so that a jump back down to the fiber's stack counts as
+        // leaving the handler only by the alternate stack's bounds, not by its address.
+        const auto here = reinterpret_cast<uintptr_t>(&alt) & ~uintptr_t{0xfff};
+        for (uintptr_t k = 1; k <= 64 && alt == MAP_FAILED; ++k) {
+          alt = ::mmap(reinterpret_cast<void*>(here + k * (uintptr_t{64} << 20)), kAltSize, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+        }
+        REQUIRE(alt != MAP_FAILED);
+        REQUIRE(reinterpret_cast<uintptr_t>(alt) > here);
+        stack_t ss{};
+        ss.ss_sp = alt;
+        ss.ss_size = kAltSize;
+        REQUIRE(::sigaltstack(&ss, nullptr) == 0);
+        struct sigaction onstack = act;
+        onstack.sa_flags |= SA_ONSTACK;
+        REQUIRE(::sigaction(SIGUSR2, &onstack, nullptr) == 0);
+      }
+      g_probe_ran = false;
+      g_parked_in_handler = false;
+      auto probe = fiber::spawn([] { g_probe_ran = true; });  // runs only if we park
+      REQUIRE_MESSAGE(raise_and_land(), "the handler returned instead of jumping");
+      if (how == 1) {  // longjmp keeps the handler's mask: SIGUSR2 is still blocked
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, SIGUSR2);
+        REQUIRE(::pthread_sigmask(SIG_UNBLOCK, &set, nullptr) == 0);
+      }
+      CHECK_FALSE(g_parked_in_handler.load());
+      if (how == 3) {
+        stack_t off{};
+        off.ss_flags = SS_DISABLE;
+        REQUIRE(::sigaltstack(&off, nullptr) == 0);
+        ::munmap(alt, kAltSize);
+      }
+      probe.join();
+      Pair p = make_socketpair();
+      expect_read_parks(p.a, p.b, "after the handler was left with a jump");
+    }
+  });
+  ::sigaction(SIGUSR2, &old, nullptr);
 }
 // ================================================================================ the kernel's semantics, case by case
 
