@@ -112,8 +112,12 @@ void resolve_all() noexcept {
   g_resolved.store(true, std::memory_order_release);
 }
 
+bool read_own_setjmp() noexcept;
+extern bool g_jmp_sp_readable;
+
 __attribute__((constructor(101))) void hook_init() {
   resolve_all();
+  g_jmp_sp_readable = read_own_setjmp();
   pthread_atfork(nullptr, nullptr, [] { g_forked_child.store(true, std::memory_order_relaxed); });
 }
 
@@ -1335,10 +1339,10 @@ __attribute__((noinline)) bool read_own_setjmp() noexcept {
   return sp != 0 && sp <= here && here - sp < 65536;  // within this very frame
 }
 
-bool jmp_sp_readable() noexcept {
-  static const bool ok = read_own_setjmp();
-  return ok;
-}
+// Decided in hook_init, before any handler can run: a function-local static first evaluated
+// in a signal handler could wait on its own guard in a nested one.
+bool g_jmp_sp_readable = false;
+bool jmp_sp_readable() noexcept { return g_jmp_sp_readable; }
 
 // A longjmp to `env` is about to leave this thread's innermost handler levels whose frames lie
 // below its target (or, for one on the alternate stack, whose stack the target is off).
