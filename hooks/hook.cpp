@@ -42,6 +42,7 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1301,13 +1302,12 @@ using PlainHandler = void (*)(int);
 // sigaction before the trampoline is installed, read by the trampoline.
 std::atomic<void*> g_user_handler[_NSIG];
 std::atomic<bool> g_user_siginfo[_NSIG];
-std::atomic<bool> g_user_onstack[_NSIG];  // installed with SA_ONSTACK: may run on sigaltstack
 
 // Where each handler level of this thread runs, so that a longjmp can tell which levels it
 // leaves (the SIGALRM-timeout pattern jumps out of the handler and never returns through the
-// trampoline): the trampoline's frame, and the alternate stack's bounds if the handler is on it
-// (0, 0 if not). Levels nested deeper than kMaxHandlerFrames are not recorded, and a longjmp
-// does not count them out.
+// trampoline): the trampoline's frame, and the bounds of the alternate stack it runs on (0, 0
+// if none). Only the outermost kMaxHandlerFrames levels have a record; a jump that leaves the
+// deepest recorded level leaves every level nested in it too.
 constexpr int kMaxHandlerFrames = 8;
 struct HandlerFrame {
   uintptr_t sp;
@@ -1344,38 +1344,64 @@ __attribute__((noinline)) bool read_own_setjmp() noexcept {
 bool g_jmp_sp_readable = false;
 bool jmp_sp_readable() noexcept { return g_jmp_sp_readable; }
 
-// A longjmp to `env` is about to leave this thread's innermost handler levels whose frames lie
-// below its target (or, for one on the alternate stack, whose stack the target is off).
+// True if a jump to stack address `target` leaves the handler level `fr`: a target above its
+// frame (an outer level's, or the interrupted code's, on the same stack), or one off the
+// alternate stack it runs on (the interrupted code's, wherever that stack is mapped).
+bool jump_leaves(const HandlerFrame& fr, uintptr_t target) noexcept {
+  return target > fr.sp || (fr.alt_hi != 0 && (target < fr.alt_lo || target >= fr.alt_hi));
+}
+
+// A longjmp to `env` is about to leave this thread's innermost handler levels: count them out.
 void count_out_handlers(const __jmp_buf_tag* env) noexcept {
   if (t_in_signal == 0 || !jmp_sp_readable()) return;
   const uintptr_t target = jmp_target_sp(env);
-  while (t_in_signal > 0 && t_in_signal <= kMaxHandlerFrames) {
-    const HandlerFrame& fr = t_handler_frames[t_in_signal - 1];
-    const bool left = fr.alt_hi != 0 ? (target < fr.alt_lo || target >= fr.alt_hi) : target > fr.sp;
-    if (!left) break;
-    --t_in_signal;
+  while (t_in_signal > 0) {
+    // Levels deeper than the records lie inside the deepest recorded one. A jump that stays in
+    // it but leaves some of them is not seen; the trampoline resets the count as levels return.
+    const int level = std::min(t_in_signal, kMaxHandlerFrames);
+    if (!jump_leaves(t_handler_frames[level - 1], target)) break;
+    t_in_signal = level - 1;
   }
+}
+
+// The record for a handler level whose trampoline frame is at `sp`. The kernel saves the
+// thread's alternate stack in the ucontext before SS_AUTODISARM disarms it, so the frame is on
+// that stack if it lies within those bounds; a level nested in one on the alternate stack while
+// it is disarmed runs on the same memory, and inherits the outer level's bounds.
+HandlerFrame frame_record(uintptr_t sp, const void* uc, int level) noexcept {
+  if (uc != nullptr) {
+    const stack_t& ss = static_cast<const ucontext_t*>(uc)->uc_stack;
+    const auto lo = reinterpret_cast<uintptr_t>(ss.ss_sp);
+    if (ss.ss_size != 0 && sp >= lo && sp - lo < ss.ss_size) return {sp, lo, lo + ss.ss_size};
+  }
+  if (level > 0 && level <= kMaxHandlerFrames) {
+    const HandlerFrame& outer = t_handler_frames[level - 1];
+    if (outer.alt_hi != 0 && sp >= outer.alt_lo && sp < outer.alt_hi) return {sp, outer.alt_lo, outer.alt_hi};
+  }
+  return {sp, 0, 0};
 }
 
 void trampoline(int sig, siginfo_t* info, void* uc) {
   const int saved = errno;  // handlers may clobber it; the interrupted code must not see that
-  if (const int level = t_in_signal++; level < kMaxHandlerFrames) {
-    HandlerFrame& fr = t_handler_frames[level];
-    fr = {reinterpret_cast<uintptr_t>(__builtin_frame_address(0)), 0, 0};
-    stack_t ss;
-    if (g_user_onstack[sig].load(std::memory_order_relaxed) && ::syscall(SYS_sigaltstack, nullptr, &ss) == 0 &&
-        (ss.ss_flags & SS_ONSTACK)) {
-      fr.alt_lo = reinterpret_cast<uintptr_t>(ss.ss_sp);
-      fr.alt_hi = fr.alt_lo + ss.ss_size;
-    }
-  }
+  const int level = t_in_signal;
+  const HandlerFrame me = frame_record(reinterpret_cast<uintptr_t>(__builtin_frame_address(0)), uc, level);
+  // The record is written before the count says it exists, so a nested handler that jumps
+  // never reads a stale one. A signal taken between the two ran at this same level and wrote
+  // its own record over ours: write ours again once the count has moved past it.
+  if (level < kMaxHandlerFrames) t_handler_frames[level] = me;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_in_signal = level + 1;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (level < kMaxHandlerFrames) t_handler_frames[level] = me;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
   void* h = g_user_handler[sig].load(std::memory_order_acquire);
   if (g_user_siginfo[sig].load(std::memory_order_relaxed)) {
     reinterpret_cast<SigInfoHandler>(h)(sig, info, uc);
   } else if (h != nullptr) {
     reinterpret_cast<PlainHandler>(h)(sig);
   }
-  --t_in_signal;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_in_signal = level;  // not a decrement: this also settles levels a jump left uncounted
   errno = saved;
 }
 
@@ -1394,7 +1420,6 @@ int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexc
   if (is_handler) {
     const bool si = (act->sa_flags & SA_SIGINFO) != 0;
     g_user_siginfo[sig].store(si, std::memory_order_relaxed);
-    g_user_onstack[sig].store((act->sa_flags & SA_ONSTACK) != 0, std::memory_order_relaxed);
     g_user_handler[sig].store(si ? reinterpret_cast<void*>(act->sa_sigaction) : reinterpret_cast<void*>(act->sa_handler),
                               std::memory_order_release);
     mine = *act;

@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -1006,25 +1007,89 @@ namespace {
 sigjmp_buf g_out_of_handler;
 sigjmp_buf g_within_handler;
 std::atomic<bool> g_probe_ran{false};
-// 0: siglongjmp out; 1: longjmp out; 2: a jump within, then out; 3: siglongjmp out from the
-// alternate signal stack.
-std::atomic<int> g_jump_how{0};
+// How the SIGUSR2 handler leaves.
+enum JumpHow : int {
+  kSiglongjmpOut,       // siglongjmp out
+  kLongjmpOut,          // longjmp out
+  kJumpWithinThenOut,   // a jump within the handler, then out
+  kOutFromAltStack,     // siglongjmp out from the alternate signal stack
+  kOutFromDisarmed,     // the same, with SS_AUTODISARM (the alternate stack reads as disabled)
+  kNestedOnAltStack,    // a nested handler on the same alternate stack jumps back into this
+                        // one, which then returns normally
+  kOutFromTenDeep,      // siglongjmp out from ten nested levels (SA_NODEFER), more than are recorded
+};
+std::atomic<int> g_jump_how{kSiglongjmpOut};
 std::atomic<bool> g_parked_in_handler{false};
+std::atomic<int> g_depth{0};
+
+// Still in a handler: a hooked sleep is the real one, so the probe fiber cannot have run.
+void check_real_sleep_in_handler() {
+  ::usleep(2000);
+  if (g_probe_ran.load()) g_parked_in_handler = true;
+}
+void nested_handler(int) { siglongjmp(g_within_handler, 1); }
+// TSan holds back a signal raised inside a handler until the handler has returned, so handlers
+// never nest under it: the variants that need nesting run in the other builds.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kHandlersNest = false;
+#else
+constexpr bool kHandlersNest = true;
+#endif
 void jumping_handler(int) {
-  if (g_jump_how == 2) {
-    if (sigsetjmp(g_within_handler, 0) == 0) siglongjmp(g_within_handler, 1);
-    // Still in the handler after a jump inside it: a hooked sleep is the real one.
-    ::usleep(2000);
-    g_parked_in_handler = g_probe_ran.load();
+  switch (g_jump_how.load()) {
+    case kJumpWithinThenOut:
+      if (sigsetjmp(g_within_handler, 0) == 0) siglongjmp(g_within_handler, 1);
+      check_real_sleep_in_handler();
+      break;
+    case kNestedOnAltStack:
+      if (sigsetjmp(g_within_handler, 1) == 0) ::raise(SIGUSR1);  // lands back here
+      check_real_sleep_in_handler();
+      return;
+    case kOutFromTenDeep:
+      if (++g_depth < 10) ::raise(SIGUSR2);  // SA_NODEFER: runs nested at once, never returns
+      break;
+    case kLongjmpOut:
+      longjmp(g_out_of_handler, 1);
   }
-  if (g_jump_how == 1) longjmp(g_out_of_handler, 1);
   siglongjmp(g_out_of_handler, 1);
 }
-// Raises SIGUSR2 at this thread; true once the handler jumped back here.
+// Raises SIGUSR2 at this thread; true if the handler jumped back here, false if it returned.
 __attribute__((noinline)) bool raise_and_land() {
   if (sigsetjmp(g_out_of_handler, 1) != 0) return true;
   ::raise(SIGUSR2);
   return false;
+}
+// Maps an alternate signal stack *above* the calling thread's stack, so that a jump back down to
+// that stack counts as leaving a handler only by the alternate stack's bounds, not by its
+// address. Installed with `flags` until destroyed, then the thread's previous one is back.
+// (A handler left with a jump leaves an SS_AUTODISARM stack disarmed: hence `mem`, not what
+// sigaltstack reads back.)
+#ifndef SS_AUTODISARM
+#define SS_AUTODISARM (1U << 31)  // <linux/signal.h>; glibc does not define it
+#endif
+struct AltStackAbove {
+  static constexpr size_t kSize = 1 << 16;
+  void* mem = MAP_FAILED;
+  stack_t prev{};
+  explicit AltStackAbove(int flags);
+  ~AltStackAbove() {
+    ::sigaltstack(&prev, nullptr);
+    ::munmap(mem, kSize);
+  }
+};
+AltStackAbove::AltStackAbove(int flags) {
+  const auto here = reinterpret_cast<uintptr_t>(&flags) & ~uintptr_t{0xfff};
+  for (uintptr_t k = 1; k <= 64 && mem == MAP_FAILED; ++k) {
+    mem = ::mmap(reinterpret_cast<void*>(here + k * (uintptr_t{64} << 20)), kSize, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+  }
+  REQUIRE(mem != MAP_FAILED);
+  REQUIRE(reinterpret_cast<uintptr_t>(mem) > here);
+  stack_t ss{};
+  ss.ss_sp = mem;
+  ss.ss_size = kSize;
+  ss.ss_flags = flags;
+  REQUIRE(::sigaltstack(&ss, &prev) == 0);
 }
 }  // namespace
 
@@ -1033,58 +1098,48 @@ __attribute__((noinline)) bool raise_and_land() {
 // The longjmp hooks count it out; before them every later hooked call on that processor's
 // thread was a real, blocking one.
 TEST_CASE("semantics: a signal handler left with siglongjmp or longjmp leaves hooked calls parking again") {
-  struct sigaction act{}, old{};
+  struct sigaction act{}, old{}, old1{};
   act.sa_handler = jumping_handler;
   sigemptyset(&act.sa_mask);
   REQUIRE(::sigaction(SIGUSR2, &act, &old) == 0);
-  on_fiber(1, [&] {
-    for (const int how : {0, 1, 2, 3}) {
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &old1) == 0);
+  // Ten nested signal frames need more than the default stack.
+  on_fiber(1, [&] { fiber::spawn({.stack_size = 1 << 20}, [&] {
+    for (const int how : {kSiglongjmpOut, kLongjmpOut, kJumpWithinThenOut, kOutFromAltStack, kOutFromDisarmed,
+                          kNestedOnAltStack, kOutFromTenDeep}) {
       CAPTURE(how);
+      if (!kHandlersNest && (how == kNestedOnAltStack || how == kOutFromTenDeep)) continue;
       g_jump_how = how;
-      void* alt = MAP_FAILED;
-      constexpr size_t kAltSize = 1 << 16;
-      if (how == 3) {
-        // This processor thread gets an alternate stack and the handler SA_ONSTACK. The stack is
-        // mapped *above* the fiber's, so that a jump back down to the fiber's stack counts as
-        // leaving the handler only by the alternate stack's bounds, not by its address.
-        const auto here = reinterpret_cast<uintptr_t>(&alt) & ~uintptr_t{0xfff};
-        for (uintptr_t k = 1; k <= 64 && alt == MAP_FAILED; ++k) {
-          alt = ::mmap(reinterpret_cast<void*>(here + k * (uintptr_t{64} << 20)), kAltSize, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
-        }
-        REQUIRE(alt != MAP_FAILED);
-        REQUIRE(reinterpret_cast<uintptr_t>(alt) > here);
-        stack_t ss{};
-        ss.ss_sp = alt;
-        ss.ss_size = kAltSize;
-        REQUIRE(::sigaltstack(&ss, nullptr) == 0);
-        struct sigaction onstack = act;
-        onstack.sa_flags |= SA_ONSTACK;
-        REQUIRE(::sigaction(SIGUSR2, &onstack, nullptr) == 0);
+      g_depth = 0;
+      const bool alt = how == kOutFromAltStack || how == kOutFromDisarmed || how == kNestedOnAltStack;
+      std::optional<AltStackAbove> alt_stack;
+      if (alt) alt_stack.emplace(how == kOutFromDisarmed ? static_cast<int>(SS_AUTODISARM) : 0);
+      struct sigaction mine = act;
+      if (alt) mine.sa_flags |= SA_ONSTACK;
+      if (how == kOutFromTenDeep) mine.sa_flags |= SA_NODEFER;
+      REQUIRE(::sigaction(SIGUSR2, &mine, nullptr) == 0);
+      if (how == kNestedOnAltStack) {
+        struct sigaction nested{};
+        nested.sa_handler = nested_handler;
+        sigemptyset(&nested.sa_mask);
+        nested.sa_flags = SA_ONSTACK;
+        REQUIRE(::sigaction(SIGUSR1, &nested, nullptr) == 0);
       }
       g_probe_ran = false;
       g_parked_in_handler = false;
       auto probe = fiber::spawn([] { g_probe_ran = true; });  // runs only if we park
-      REQUIRE_MESSAGE(raise_and_land(), "the handler returned instead of jumping");
-      if (how == 1) {  // longjmp keeps the handler's mask: SIGUSR2 is still blocked
-        sigset_t set;
-        sigemptyset(&set);
-        sigaddset(&set, SIGUSR2);
-        REQUIRE(::pthread_sigmask(SIG_UNBLOCK, &set, nullptr) == 0);
-      }
+      const bool jumped = raise_and_land();
+      CHECK_MESSAGE(jumped == (how != kNestedOnAltStack), "the handler " << (jumped ? "jumped out" : "returned"));
       CHECK_FALSE(g_parked_in_handler.load());
-      if (how == 3) {
-        stack_t off{};
-        off.ss_flags = SS_DISABLE;
-        REQUIRE(::sigaltstack(&off, nullptr) == 0);
-        ::munmap(alt, kAltSize);
-      }
+      if (how == kOutFromTenDeep) CHECK(g_depth.load() == 10);
+      alt_stack.reset();
       probe.join();
       Pair p = make_socketpair();
-      expect_read_parks(p.a, p.b, "after the handler was left with a jump");
+      expect_read_parks(p.a, p.b, "after the handler was left");
     }
-  });
+  }).join(); });
   ::sigaction(SIGUSR2, &old, nullptr);
+  ::sigaction(SIGUSR1, &old1, nullptr);
 }
 // ================================================================================ the kernel's semantics, case by case
 
