@@ -1463,20 +1463,100 @@ int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexc
   __builtin_unreachable();
 }
 
-// glibc's signal() installs its handler through an internal sigaction no preload sees: redo it
-// with BSD semantics (SA_RESTART, handler stays installed), as glibc does.
-sighandler_t signal(int sig, sighandler_t handler) noexcept {
-  if (handler == SIG_ERR) {  // glibc's answer; sigaction would take it for a handler's address
+// glibc's signal(), sysv_signal(), sigset() and siginterrupt() change handlers through an
+// internal sigaction no preload sees, so a handler they installed would run without the
+// trampoline and a hooked call inside it could park. They are redone here on the sigaction
+// above, with glibc's semantics.
+
+}  // extern "C"
+
+namespace {
+
+// Signals siginterrupt() asked to interrupt system calls: signal() installs them without
+// SA_RESTART (glibc keeps the same set for the same purpose).
+std::atomic<bool> g_sig_interrupts[_NSIG];
+
+// Installs `handler` for `sig` with `flags`, blocking `sig` in it unless SA_NODEFER; the
+// previous handler, or SIG_ERR with errno.
+sighandler_t install_handler(int sig, sighandler_t handler, int flags) noexcept {
+  if (handler == SIG_ERR || sig <= 0 || sig >= _NSIG) {  // sigaction would take SIG_ERR for an address
     set_errno(EINVAL);
     return SIG_ERR;
   }
   struct sigaction act {}, old {};
   act.sa_handler = handler;
   sigemptyset(&act.sa_mask);
-  if (sig > 0 && sig < _NSIG) sigaddset(&act.sa_mask, sig);
-  act.sa_flags = SA_RESTART;
+  if (!(flags & SA_NODEFER)) sigaddset(&act.sa_mask, sig);
+  act.sa_flags = flags;
   if (sigaction(sig, &act, &old) != 0) return SIG_ERR;
   return old.sa_handler;
+}
+
+}  // namespace
+
+extern "C" {
+
+// BSD semantics: the handler stays installed and blocks its signal while it runs; interrupted
+// calls restart unless siginterrupt() said otherwise.
+sighandler_t signal(int sig, sighandler_t handler) noexcept {
+  const bool interrupts = sig > 0 && sig < _NSIG && g_sig_interrupts[sig].load(std::memory_order_relaxed);
+  return install_handler(sig, handler, interrupts ? 0 : SA_RESTART);
+}
+sighandler_t bsd_signal(int sig, sighandler_t handler) noexcept { return signal(sig, handler); }
+
+// System V semantics: the handler is reset to SIG_DFL as it runs and does not block its signal.
+// A program built for strict ISO C or POSIX (no _DEFAULT_SOURCE) calls signal() as __sysv_signal.
+sighandler_t sysv_signal(int sig, sighandler_t handler) noexcept {
+  return install_handler(sig, handler, SA_RESETHAND | SA_NODEFER);
+}
+sighandler_t __sysv_signal(int sig, sighandler_t handler) noexcept { return sysv_signal(sig, handler); }
+
+int siginterrupt(int sig, int interrupt) noexcept {
+  if (sig <= 0 || sig >= _NSIG) {
+    set_errno(EINVAL);
+    return -1;
+  }
+  struct sigaction act {};
+  if (sigaction(sig, nullptr, &act) != 0) return -1;
+  g_sig_interrupts[sig].store(interrupt != 0, std::memory_order_relaxed);
+  if (interrupt != 0) {
+    act.sa_flags &= ~SA_RESTART;
+  } else {
+    act.sa_flags |= SA_RESTART;
+  }
+  return sigaction(sig, &act, nullptr);
+}
+
+// System V sigset(): SIG_HOLD adds `sig` to the thread's mask; anything else installs it (no
+// flags, nothing blocked while it runs) and takes `sig` out of the mask. Returns SIG_HOLD if
+// `sig` was blocked, else the previous handler.
+sighandler_t sigset(int sig, sighandler_t disp) noexcept {
+  if (disp == SIG_ERR || sig <= 0 || sig >= _NSIG) {
+    set_errno(EINVAL);
+    return SIG_ERR;
+  }
+  sigset_t one, was;
+  sigemptyset(&one);
+  sigaddset(&one, sig);
+  struct sigaction old {};
+  if (disp == SIG_HOLD) {
+    if (const int e = ::pthread_sigmask(SIG_BLOCK, &one, &was); e != 0) {
+      set_errno(e);
+      return SIG_ERR;
+    }
+    if (sigismember(&was, sig)) return SIG_HOLD;
+    if (sigaction(sig, nullptr, &old) != 0) return SIG_ERR;
+    return old.sa_handler;
+  }
+  struct sigaction act {};
+  act.sa_handler = disp;
+  sigemptyset(&act.sa_mask);
+  if (sigaction(sig, &act, &old) != 0) return SIG_ERR;
+  if (const int e = ::pthread_sigmask(SIG_UNBLOCK, &one, &was); e != 0) {
+    set_errno(e);
+    return SIG_ERR;
+  }
+  return sigismember(&was, sig) ? SIG_HOLD : old.sa_handler;
 }
 
 // ---- sleeping

@@ -1003,6 +1003,107 @@ TEST_CASE("semantics: a signal handler interrupting a fiber makes real calls; er
   });
 }
 
+// glibc's other handler installers call its internal sigaction, which no preload sees: the hooks
+// redo them, so their handlers too run behind the trampoline, with glibc's semantics. Old
+// interfaces, still in libc and in old code: C++ gets no declaration of bsd_signal, and the
+// others are deprecated.
+extern "C" sighandler_t bsd_signal(int sig, sighandler_t handler) noexcept;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST_CASE("semantics: handlers from bsd_signal, sysv_signal, __sysv_signal and sigset make real calls") {
+  using Installer = sighandler_t (*)(int, sighandler_t);
+  const struct {
+    const char* name;
+    Installer install;
+    unsigned flags;  // what sigaction must read back
+    bool once;  // reset to SIG_DFL as it runs
+  } installers[] = {
+      {"bsd_signal", bsd_signal, SA_RESTART, false},
+      {"sysv_signal", ::sysv_signal, SA_RESETHAND | SA_NODEFER, true},
+      {"__sysv_signal", ::__sysv_signal, SA_RESETHAND | SA_NODEFER, true},
+      {"sigset", ::sigset, 0, false},
+  };
+  struct sigaction old{};
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &old) == 0);
+  on_fiber(1, [&] {
+    Pair p = make_pipe();
+    g_handler_fd = p.b;
+    for (const auto& in : installers) {
+      INFO("installer: " << in.name);
+      REQUIRE(::sigaction(SIGUSR1, &old, nullptr) == 0);
+      g_handled = 0;
+      REQUIRE((in.install(SIGUSR1, on_usr1) != SIG_ERR));
+      struct sigaction now{};
+      REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+      CHECK((now.sa_handler == on_usr1));  // the program's own handler is reported
+      CHECK((static_cast<unsigned>(now.sa_flags) & (SA_RESTART | SA_RESETHAND | SA_NODEFER | SA_SIGINFO)) == in.flags);
+      auto r = no_park_call([] {
+        ::raise(SIGUSR1);
+        return 0;
+      });
+      CHECK_MESSAGE(!r.parked, "a hooked call inside the handler parked the fiber");
+      CHECK(g_handled.load() == 1);
+      CHECK(g_handler_sleep.load() == 0);
+      char c;
+      CHECK(::read(p.a, &c, 1) == 1);
+      REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+      CHECK((now.sa_handler == (in.once ? SIG_DFL : on_usr1)));
+    }
+  });
+  // sigset's SIG_HOLD: blocks the signal and reports the handler, then SIG_HOLD until a handler
+  // is installed again, which unblocks it.
+  REQUIRE((::sigset(SIGUSR1, on_usr1) != SIG_ERR));
+  CHECK((::sigset(SIGUSR1, SIG_HOLD) == on_usr1));
+  sigset_t mask;
+  REQUIRE(::pthread_sigmask(SIG_BLOCK, nullptr, &mask) == 0);
+  CHECK(sigismember(&mask, SIGUSR1) == 1);
+  CHECK((::sigset(SIGUSR1, SIG_HOLD) == SIG_HOLD));
+  CHECK((::sigset(SIGUSR1, on_usr1) == SIG_HOLD));
+  REQUIRE(::pthread_sigmask(SIG_BLOCK, nullptr, &mask) == 0);
+  CHECK(sigismember(&mask, SIGUSR1) == 0);
+  set_err(0);
+  CHECK((::sigset(SIGUSR1, SIG_ERR) == SIG_ERR));
+  CHECK(err() == EINVAL);
+  ::sigaction(SIGUSR1, &old, nullptr);
+}
+
+TEST_CASE("semantics: siginterrupt decides whether signal() restarts calls, and keeps the handler") {
+  struct sigaction old{}, now{};
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &old) == 0);
+  REQUIRE((::signal(SIGUSR1, on_usr1) != SIG_ERR));
+  REQUIRE(::siginterrupt(SIGUSR1, 1) == 0);
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+  CHECK((now.sa_handler == on_usr1));
+  CHECK((now.sa_flags & SA_RESTART) == 0);
+  // signal() remembers it, as glibc's does.
+  REQUIRE((::signal(SIGUSR1, on_usr1) == on_usr1));
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+  CHECK((now.sa_flags & SA_RESTART) == 0);
+  REQUIRE(::siginterrupt(SIGUSR1, 0) == 0);
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+  CHECK((now.sa_flags & SA_RESTART) != 0);
+  REQUIRE((::signal(SIGUSR1, on_usr1) == on_usr1));
+  REQUIRE(::sigaction(SIGUSR1, nullptr, &now) == 0);
+  CHECK((now.sa_flags & SA_RESTART) != 0);
+  // Still behind the trampoline: the handler's hooked calls are the real ones.
+  on_fiber(1, [] {
+    Pair p = make_pipe();
+    g_handler_fd = p.b;
+    g_handled = 0;
+    auto r = no_park_call([] {
+      ::raise(SIGUSR1);
+      return 0;
+    });
+    CHECK(!r.parked);
+    CHECK(g_handled.load() == 1);
+  });
+  set_err(0);
+  CHECK(::siginterrupt(0, 1) == -1);
+  CHECK(err() == EINVAL);
+  ::sigaction(SIGUSR1, &old, nullptr);
+}
+#pragma GCC diagnostic pop
+
 namespace {
 sigjmp_buf g_out_of_handler;
 sigjmp_buf g_within_handler;
