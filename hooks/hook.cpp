@@ -30,6 +30,8 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -543,6 +545,19 @@ int pipe2(int fds[2], int flags) noexcept {
   return rc;
 }
 
+}  // extern "C"
+
+namespace {
+// A TCP socket whose connection is on its way (SYN sent, no answer yet).
+bool tcp_connecting(int fd) noexcept {
+  uint8_t state = 0;  // tcp_info's first member: the kernel copies as much as is asked for
+  socklen_t n = sizeof state;
+  return ::syscall(SYS_getsockopt, fd, IPPROTO_TCP, TCP_INFO, &state, &n) == 0 && n == 1 && state == TCP_SYN_SENT;
+}
+}  // namespace
+
+extern "C" {
+
 int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   if (!may_park()) return REAL(connect, SYS_connect, fd, addr, len);
   FdInfo* i;
@@ -550,9 +565,11 @@ int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   if (!(f & kKnown) || (f & (kNonblock | kSendNoWait)) || !(f & kSocket)) return REAL(connect, SYS_connect, fd, addr, len);
   const fiber::io::Deadline d = deadline_of(i->snd_timeout.load(std::memory_order_relaxed));
   // SO_SNDTIMEO's expiry: a TCP connect goes on in the background (EINPROGRESS); a Unix one
-  // waited for room in the listener's queue, and gives up (EAGAIN).
+  // waited for room in the listener's queue, and gives up (EAGAIN). A connect while an earlier
+  // one is still on its way waits for it too, and its expiry says EALREADY.
   const bool unix_family = addr != nullptr && len >= sizeof(sa_family_t) && addr->sa_family == AF_UNIX;
-  return finish(fiber::io::connect(fd, addr, len, d), d, unix_family ? EAGAIN : EINPROGRESS);
+  const int expired = unix_family ? EAGAIN : (!d.is_none() && tcp_connecting(fd)) ? EALREADY : EINPROGRESS;
+  return finish(fiber::io::connect(fd, addr, len, d), d, expired);
 }
 
 int accept4(int fd, struct sockaddr* addr, socklen_t* len, int flags) {

@@ -332,15 +332,32 @@ TEST_CASE("semantics: SO_SNDTIMEO expiry gives EAGAIN from writes, a partial cou
     CHECK(r.value.r < static_cast<long>(big.size()));
     CHECK(r.parked);
   });
-  // connect that cannot complete: EINPROGRESS when SO_SNDTIMEO expires.
+  // connect that cannot complete: EINPROGRESS when SO_SNDTIMEO expires. The connection goes on,
+  // and a second connect waits for it, as the kernel's does: EALREADY when SO_SNDTIMEO expires
+  // again; 0 once the listener has room (the client's next SYN, about a second later). On the
+  // ring, the second once said EALREADY at once.
   on_fiber(1, [] {
     FullListener f = full_listener();
     Fd c(::socket(AF_INET, SOCK_STREAM, 0));
     set_timeout(c, SO_SNDTIMEO, 50ms);
-    auto r = parked_call([&] { return call([&] { return ::connect(c, sa(f.l.addr), sizeof f.l.addr); }); }, [] {});
+    const auto connect_c = [&] { return call([&] { return ::connect(c, sa(f.l.addr), sizeof f.l.addr); }); };
+    auto r = parked_call(connect_c, [] {});
     CHECK_MESSAGE((r.value.r == -1 && r.value.e == EINPROGRESS),
                   "connect with SO_SNDTIMEO to a full listener: " << r.value.r << " errno " << err_str(r.value.e));
     CHECK(r.parked);
+    const auto t0 = Clock::now();
+    auto again = parked_call(connect_c, [] {});
+    CHECK_MESSAGE((again.value.r == -1 && again.value.e == EALREADY),
+                  "a second connect with SO_SNDTIMEO: " << again.value.r << " errno " << err_str(again.value.e));
+    CHECK(again.parked);
+    CHECK(Clock::now() - t0 >= 50ms);
+    set_timeout(c, SO_SNDTIMEO, 0ms);  // none
+    Fd taken(::accept(f.l.fd, nullptr, nullptr));  // the queued connection: room for c's
+    REQUIRE(taken >= 0);
+    auto done = parked_call(connect_c, [] {}, 30'000ms);
+    CHECK_MESSAGE(done.value.r == 0, "a third connect, without a timeout: " << done.value.r << " errno " << err_str(done.value.e));
+    CHECK(done.parked);
+    CHECK(call([&] { return ::connect(c, sa(f.l.addr), sizeof f.l.addr); }).e == EISCONN);
   });
   // A Unix stream listener with a full queue: the kernel's blocking connect sleeps until there is
   // room and gives EAGAIN when SO_SNDTIMEO expires. So does the hooked one, on either engine.

@@ -505,8 +505,8 @@ TEST_CASE("io: a deadline that passes ends read, recv, accept, connect and write
           CHECK(conn.get() >= 0);
           expect_transfer(s, c.get(), conn.get(), ++seed, 1000);
         }
-        // A connect that cannot complete (the listener's queue is full): the socket is done for
-        // (io.hpp: close it), but the next connect, on a new socket, works.
+        // A connect that cannot complete (the listener's queue is full): its connection goes on
+        // in the background (see "connect again after a deadline passed"); a new socket connects.
         {
           FullListener full = full_listener();
           Fd c = tcp_socket();
@@ -2282,6 +2282,33 @@ TEST_CASE("io: connect to a Unix listener whose queue is full waits until it acc
     CHECK(connector.join() == 0);
     CHECK(got == 'u');
   });
+}
+
+// A connect whose deadline passed goes on in the background; connecting the socket again waits
+// for it, as a blocking connect(2) does. The ring answered EALREADY at once instead, unlike the
+// epoll engine and a plain thread. One scheduler only: each case waits out the client's second
+// SYN, about a second.
+TEST_CASE("io: connect again after a deadline passed waits for the connection still on its way") {
+  fiber::Scheduler s({.processors = 2, .name = "conn-again"});
+  for (Where w : kBoth) {
+    CAPTURE(where_name(w));
+    Team team;
+    team.spawn(w, s, [&] {
+      FullListener full = full_listener();
+      Fd c = tcp_socket();
+      CHECK(io::connect(c.get(), sa(full.addr), sizeof full.addr, 20ms) == -ETIMEDOUT);
+      const auto t0 = Clock::now();
+      CHECK(io::connect(c.get(), sa(full.addr), sizeof full.addr, 20ms) == -ETIMEDOUT);  // still on its way
+      CHECK(Clock::now() - t0 >= 20ms);
+      Fd first(io::accept(full.listener.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));  // room for c
+      REQUIRE(first.get() >= 0);
+      CHECK(io::connect(c.get(), sa(full.addr), sizeof full.addr, patience()) == 0);
+      Fd conn(io::accept(full.listener.get(), nullptr, nullptr, SOCK_CLOEXEC, patience()));
+      REQUIRE(conn.get() >= 0);
+      expect_transfer(s, c.get(), conn.get(), 7, 1000);
+    });
+    team.join();
+  }
 }
 
 // A refused connect leaves the socket able to connect again, as the kernel's does: a "wait for

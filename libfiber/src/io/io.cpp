@@ -936,8 +936,21 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
   const Fiber* f = detail::current_fiber();
   if (const int rc = detail::precheck(f, dl)) return rc;
   const Path path = detail::path_of(f, dl);
+  // Until the connection in progress on `fd` (EINPROGRESS: this call's; EALREADY: one started
+  // earlier) has ended: as a blocking connect(2), which waits for an earlier one too.
+  const auto wait_connected = [&](int rc) {
+    while (rc == -EINPROGRESS || rc == -EALREADY) {
+      rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
+      if (rc != 0) break;
+      rc = detail::connect_outcome(fd, addr, addrlen);
+    }
+    return rc;
+  };
   if (path == Path::Uring) {
-    return static_cast<int>(detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_connect(s, fd, addr, addrlen); }));
+    // The ring waits for a connection it starts, but answers EALREADY at once for one already
+    // on its way (a connect whose deadline passed, or a non-blocking one).
+    return wait_connected(static_cast<int>(
+        detail::ring_op(fd, dl, [&](io_uring_sqe* s) { io_uring_prep_connect(s, fd, addr, addrlen); })));
   }
   if (path == Path::Thread) return static_cast<int>(raw::connect(fd, addr, addrlen));
   // Readiness: connect with O_NONBLOCK set for that call alone, then wait until writable and
@@ -966,12 +979,7 @@ int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline dl) noexce
     }
   }
   if (blocking && rc != -EBADF) raw::fcntl(fd, F_SETFL, fl);
-  while (rc == -EINPROGRESS || rc == -EALREADY) {
-    rc = detail::wait_ready(f, fd, EPOLLOUT, dl);
-    if (rc != 0) break;
-    rc = detail::connect_outcome(fd, addr, addrlen);
-  }
-  return rc;
+  return wait_connected(rc);
 }
 
 int poll(int fd, short events, Deadline dl) noexcept {
