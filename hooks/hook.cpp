@@ -1369,6 +1369,11 @@ bool jump_leaves(const HandlerFrame& fr, uintptr_t target) noexcept {
 }
 
 // A longjmp to `env` is about to leave this thread's innermost handler levels: count them out.
+// A gap left open: glibc's siglongjmp restores the saved signal mask before it leaves the
+// handler's stack, so a signal that unblocks runs there with the levels already counted out.
+// Should that handler jump back into the level being left (not return, not jump out), that
+// level runs uncounted. Telling this apart from code that merely runs deep on another fiber's
+// stack would take more than the stack pointers recorded here.
 void count_out_handlers(const __jmp_buf_tag* env) noexcept {
   if (t_in_signal == 0 || !jmp_sp_readable()) return;
   const uintptr_t target = jmp_target_sp(env);

@@ -1127,15 +1127,28 @@ sigjmp_buf g_within_handler;
 std::atomic<bool> g_probe_ran{false};
 // How the SIGUSR2 handler leaves.
 enum JumpHow : int {
-  kSiglongjmpOut,       // siglongjmp out
-  kLongjmpOut,          // longjmp out
-  kJumpWithinThenOut,   // a jump within the handler, then out
-  kOutFromAltStack,     // siglongjmp out from the alternate signal stack
-  kOutFromDisarmed,     // the same, with SS_AUTODISARM (the alternate stack reads as disabled)
-  kNestedOnAltStack,    // a nested handler on the same alternate stack jumps back into this
-                        // one, which then returns normally
-  kOutFromTenDeep,      // siglongjmp out from ten nested levels (SA_NODEFER), more than are recorded
+  kSiglongjmpOut,         // siglongjmp out
+  kLongjmpOut,            // longjmp out
+  kJumpWithinThenOut,     // a jump within the handler, then out
+  kOutFromAltStack,       // siglongjmp out from the alternate signal stack
+  kOutFromDisarmed,       // the same, with SS_AUTODISARM (the alternate stack reads as disabled)
+  kNestedOnAltStack,      // a nested handler on the same alternate stack jumps back into this
+                          // one, which then returns normally
+  kNestedOutFromDisarmed, // a nested handler, on the disarmed alternate stack's memory, jumps out
+  kOutFromTenDeep,        // siglongjmp out from ten nested levels (SA_NODEFER), more than are recorded
+  kTenDeepBackIntoNinth,  // the tenth level jumps back into the ninth; then every level returns
 };
+constexpr JumpHow kAllJumps[] = {kSiglongjmpOut,   kLongjmpOut,       kJumpWithinThenOut,
+                                 kOutFromAltStack, kOutFromDisarmed,  kNestedOnAltStack,
+                                 kNestedOutFromDisarmed, kOutFromTenDeep, kTenDeepBackIntoNinth};
+bool on_alt_stack(JumpHow how) {
+  return how == kOutFromAltStack || how == kOutFromDisarmed || how == kNestedOnAltStack || how == kNestedOutFromDisarmed;
+}
+bool disarmed(JumpHow how) { return how == kOutFromDisarmed || how == kNestedOutFromDisarmed; }
+bool ten_deep(JumpHow how) { return how == kOutFromTenDeep || how == kTenDeepBackIntoNinth; }
+bool nested_usr1(JumpHow how) { return how == kNestedOnAltStack || how == kNestedOutFromDisarmed; }
+bool returns_normally(JumpHow how) { return how == kNestedOnAltStack || how == kTenDeepBackIntoNinth; }
+
 std::atomic<int> g_jump_how{kSiglongjmpOut};
 std::atomic<bool> g_parked_in_handler{false};
 std::atomic<int> g_depth{0};
@@ -1145,10 +1158,14 @@ void check_real_sleep_in_handler() {
   ::usleep(2000);
   if (g_probe_ran.load()) g_parked_in_handler = true;
 }
-void nested_handler(int) { siglongjmp(g_within_handler, 1); }
+// SIGUSR1, raised inside the SIGUSR2 handler.
+void nested_handler(int) {
+  if (g_jump_how == kNestedOutFromDisarmed) siglongjmp(g_out_of_handler, 1);
+  siglongjmp(g_within_handler, 1);
+}
 // TSan holds back a signal raised inside a handler until the handler has returned, so handlers
 // never nest under it: the variants that need nesting run in the other builds.
-#if defined(__SANITIZE_THREAD__)
+#if defined(FIBER_TSAN) || defined(__SANITIZE_THREAD__)
 constexpr bool kHandlersNest = false;
 #else
 constexpr bool kHandlersNest = true;
@@ -1163,9 +1180,22 @@ void jumping_handler(int) {
       if (sigsetjmp(g_within_handler, 1) == 0) ::raise(SIGUSR1);  // lands back here
       check_real_sleep_in_handler();
       return;
+    case kNestedOutFromDisarmed:
+      ::raise(SIGUSR1);  // never returns
+      break;
     case kOutFromTenDeep:
       if (++g_depth < 10) ::raise(SIGUSR2);  // SA_NODEFER: runs nested at once, never returns
       break;
+    case kTenDeepBackIntoNinth: {
+      const int depth = ++g_depth;
+      if (depth == 10) siglongjmp(g_within_handler, 1);
+      if (depth == 9 && sigsetjmp(g_within_handler, 1) != 0) {  // the tenth landed here
+        check_real_sleep_in_handler();
+        return;
+      }
+      ::raise(SIGUSR2);
+      return;
+    }
     case kLongjmpOut:
       longjmp(g_out_of_handler, 1);
   }
@@ -1177,14 +1207,14 @@ __attribute__((noinline)) bool raise_and_land() {
   ::raise(SIGUSR2);
   return false;
 }
+#ifndef SS_AUTODISARM
+#define SS_AUTODISARM (1U << 31)  // <linux/signal.h>; glibc does not define it
+#endif
 // Maps an alternate signal stack *above* the calling thread's stack, so that a jump back down to
 // that stack counts as leaving a handler only by the alternate stack's bounds, not by its
 // address. Installed with `flags` until destroyed, then the thread's previous one is back.
 // (A handler left with a jump leaves an SS_AUTODISARM stack disarmed: hence `mem`, not what
 // sigaltstack reads back.)
-#ifndef SS_AUTODISARM
-#define SS_AUTODISARM (1U << 31)  // <linux/signal.h>; glibc does not define it
-#endif
 struct AltStackAbove {
   static constexpr size_t kSize = 1 << 16;
   void* mem = MAP_FAILED;
@@ -1202,62 +1232,65 @@ AltStackAbove::AltStackAbove(int flags) {
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
   }
   REQUIRE(mem != MAP_FAILED);
-  REQUIRE(reinterpret_cast<uintptr_t>(mem) > here);
   stack_t ss{};
   ss.ss_sp = mem;
   ss.ss_size = kSize;
   ss.ss_flags = flags;
-  REQUIRE(::sigaltstack(&ss, &prev) == 0);
+  const bool ok = reinterpret_cast<uintptr_t>(mem) > here && ::sigaltstack(&ss, &prev) == 0;
+  if (!ok) ::munmap(mem, kSize);  // the destructor will not run
+  REQUIRE(ok);
 }
+// Puts a signal's disposition back when the scope ends, however it ends.
+struct KeepDisposition {
+  int sig;
+  struct sigaction old{};
+  explicit KeepDisposition(int s) : sig(s) { REQUIRE(::sigaction(sig, nullptr, &old) == 0); }
+  ~KeepDisposition() { ::sigaction(sig, &old, nullptr); }
+};
 }  // namespace
 
 // The alarm-timeout pattern: a handler leaves with a longjmp and never returns through the
 // hook's trampoline, which counts the thread "in a handler" (hooked calls then the real ones).
 // The longjmp hooks count it out; before them every later hooked call on that processor's
-// thread was a real, blocking one.
+// thread was a real, blocking one. Each case runs on a new processor thread, so one that leaves
+// the count wrong does not fail the others.
 TEST_CASE("semantics: a signal handler left with siglongjmp or longjmp leaves hooked calls parking again") {
-  struct sigaction act{}, old{}, old1{};
-  act.sa_handler = jumping_handler;
-  sigemptyset(&act.sa_mask);
-  REQUIRE(::sigaction(SIGUSR2, &act, &old) == 0);
-  REQUIRE(::sigaction(SIGUSR1, nullptr, &old1) == 0);
-  // Ten nested signal frames need more than the default stack.
-  on_fiber(1, [&] { fiber::spawn({.stack_size = 1 << 20}, [&] {
-    for (const int how : {kSiglongjmpOut, kLongjmpOut, kJumpWithinThenOut, kOutFromAltStack, kOutFromDisarmed,
-                          kNestedOnAltStack, kOutFromTenDeep}) {
-      CAPTURE(how);
-      if (!kHandlersNest && (how == kNestedOnAltStack || how == kOutFromTenDeep)) continue;
-      g_jump_how = how;
-      g_depth = 0;
-      const bool alt = how == kOutFromAltStack || how == kOutFromDisarmed || how == kNestedOnAltStack;
+  KeepDisposition keep_usr1(SIGUSR1), keep_usr2(SIGUSR2);
+  for (const JumpHow how : kAllJumps) {
+    CAPTURE(how);
+    if (!kHandlersNest && (nested_usr1(how) || ten_deep(how))) continue;
+    g_jump_how = how;
+    g_depth = 0;
+    struct sigaction act{};
+    act.sa_handler = jumping_handler;
+    sigemptyset(&act.sa_mask);
+    if (on_alt_stack(how)) act.sa_flags |= SA_ONSTACK;
+    if (ten_deep(how)) act.sa_flags |= SA_NODEFER;
+    REQUIRE(::sigaction(SIGUSR2, &act, nullptr) == 0);
+    if (nested_usr1(how)) {
+      struct sigaction nested{};
+      nested.sa_handler = nested_handler;
+      sigemptyset(&nested.sa_mask);
+      nested.sa_flags = SA_ONSTACK;
+      REQUIRE(::sigaction(SIGUSR1, &nested, nullptr) == 0);
+    }
+    // Ten nested signal frames need more than the default stack.
+    on_fiber(1, [&] { fiber::spawn({.stack_size = 1 << 20}, [&] {
       std::optional<AltStackAbove> alt_stack;
-      if (alt) alt_stack.emplace(how == kOutFromDisarmed ? static_cast<int>(SS_AUTODISARM) : 0);
-      struct sigaction mine = act;
-      if (alt) mine.sa_flags |= SA_ONSTACK;
-      if (how == kOutFromTenDeep) mine.sa_flags |= SA_NODEFER;
-      REQUIRE(::sigaction(SIGUSR2, &mine, nullptr) == 0);
-      if (how == kNestedOnAltStack) {
-        struct sigaction nested{};
-        nested.sa_handler = nested_handler;
-        sigemptyset(&nested.sa_mask);
-        nested.sa_flags = SA_ONSTACK;
-        REQUIRE(::sigaction(SIGUSR1, &nested, nullptr) == 0);
-      }
+      if (on_alt_stack(how)) alt_stack.emplace(disarmed(how) ? static_cast<int>(SS_AUTODISARM) : 0);
       g_probe_ran = false;
       g_parked_in_handler = false;
       auto probe = fiber::spawn([] { g_probe_ran = true; });  // runs only if we park
       const bool jumped = raise_and_land();
-      CHECK_MESSAGE(jumped == (how != kNestedOnAltStack), "the handler " << (jumped ? "jumped out" : "returned"));
+      CHECK_MESSAGE(jumped == !returns_normally(how), "the handler " << (jumped ? "jumped out" : "returned"));
       CHECK_FALSE(g_parked_in_handler.load());
-      if (how == kOutFromTenDeep) CHECK(g_depth.load() == 10);
+      if (ten_deep(how)) CHECK(g_depth.load() == 10);
       alt_stack.reset();
       probe.join();
       Pair p = make_socketpair();
       expect_read_parks(p.a, p.b, "after the handler was left");
-    }
-  }).join(); });
-  ::sigaction(SIGUSR2, &old, nullptr);
-  ::sigaction(SIGUSR1, &old1, nullptr);
+    }).join(); });
+  }
 }
 // ================================================================================ the kernel's semantics, case by case
 
