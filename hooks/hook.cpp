@@ -63,6 +63,7 @@
 #include <fiber/blocking.hpp>
 #include <fiber/error.hpp>
 #include <fiber/io.hpp>
+#include <fiber/scheduler.hpp>
 #include <fiber/this_fiber.hpp>
 
 #include "hook_table.hpp"
@@ -92,7 +93,8 @@ FIBER_HOOKS(FIBER_HOOK_POINTER)
 #undef FIBER_HOOK_POINTER
 
 std::atomic<bool> g_resolved{false};
-// Set in the child after fork: the runtime's threads do not exist there.
+// Set in a child forked after the process started the runtime, whose threads (and the fibers
+// its records wait for) do not exist there. A child forked before is a new process to the hooks.
 std::atomic<bool> g_forked_child{false};
 
 void resolve_all() noexcept {
@@ -121,7 +123,9 @@ extern bool g_jmp_sp_readable;
 __attribute__((constructor(101))) void hook_init() {
   resolve_all();
   g_jmp_sp_readable = read_own_setjmp();
-  pthread_atfork(nullptr, nullptr, [] { g_forked_child.store(true, std::memory_order_relaxed); });
+  pthread_atfork(nullptr, nullptr, [] {
+    if (fiber::Scheduler::started_in_process()) g_forked_child.store(true, std::memory_order_relaxed);
+  });
 }
 
 // Library functions (not system calls) called before the constructor, or that a libc may lack

@@ -173,6 +173,60 @@ TEST_CASE("process: fork while a fiber waits on a descriptor: the child can clos
 // With every helper thread of the blocking pool held (PoolGate), the fibers' calls queue in the
 // pool: all of them are inside getaddrinfo at once before the gate opens - which a call made
 // inline on a processor could never be.
+// The prefork server pattern: a process that has not started the runtime forks workers, and each
+// starts schedulers of its own, with the hooks in effect (hooked calls park). This needs a process
+// that has never started a processor thread, which this one has, so the test runs itself again,
+// alone, in a new process that does the forking.
+TEST_CASE("process: a child forked before the runtime started runs schedulers of its own, hooked") {
+  if (std::getenv("FIBER_HOOK_PREFORK_PARENT") == nullptr) {
+    char exe[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    REQUIRE(n > 0);
+    exe[n] = '\0';
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::setenv("FIBER_HOOK_PREFORK_PARENT", "1", 1);
+      ::execl(exe, exe, "-tc=process: a child forked before the runtime started*", "--no-intro",
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    const int code = wait_child(pid, 60'000ms);
+    CHECK_MESSAGE(code == 0, "the new process's run of this test failed (its output is above); exit code " << code);
+    return;
+  }
+  // The new process: no processor thread yet.
+  REQUIRE_FALSE(fiber::Scheduler::started_in_process());
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    int code = 0;
+    try {
+      fiber::Scheduler s({.processors = 1, .name = "worker"});
+      code = fiber::spawn({.scheduler = &s}, [] {
+        Pair p = make_socketpair();
+        char c = 0;
+        auto r = parked_call([&] { return call([&] { return ::read(p.a, &c, 1); }); }, [&] { (void)::write(p.b, "w", 1); });
+        return (r.value.r == 1 && c == 'w' ? 0 : 1) | (r.parked ? 0 : 2);
+      }).join();
+    } catch (...) {
+      code = 4;
+    }
+    ::_exit(code);
+  }
+  const int code = wait_child(pid, 30'000ms);
+  CHECK_MESSAGE(code == 0, "the worker's exit code " << code << " (1: the read failed; 2: it did not park; 4: an exception; "
+                                                        "-1: it hung; -2: it crashed)");
+  // This process may start its own as well.
+  on_fiber(1, [] {
+    Pair p = make_socketpair();
+    char c = 0;
+    auto r = parked_call([&] { return call([&] { return ::read(p.a, &c, 1); }); }, [&] { (void)::write(p.b, "p", 1); });
+    CHECK(r.value.r == 1);
+    CHECK_MESSAGE(r.parked, "in the process that forked the worker, the read did not park");
+  });
+}
+
 TEST_CASE("process: getaddrinfo(localhost) from many fibers at once: correct answers, on the blocking pool") {
   for_each_proc_count([](fiber::Scheduler& s, int n) {
     constexpr int kFibers = 200;

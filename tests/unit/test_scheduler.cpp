@@ -165,6 +165,16 @@ TEST_CASE("Scheduler: a fiber that yielded with nothing else to run does not kee
       {2, 4, 8});
 }
 
+// Whether it was false before this process's first scheduler is checked where it matters, in a
+// new process (tests/hooks/test_process.cpp: the prefork case); here, that it stays true.
+TEST_CASE("Scheduler: started_in_process is true once a scheduler has run, and stays so") {
+  {
+    fiber::Scheduler s({.processors = 1, .name = "once"});
+    CHECK(fiber::Scheduler::started_in_process());
+  }
+  CHECK(fiber::Scheduler::started_in_process());  // a forked child would still lack those threads' records
+}
+
 TEST_CASE("Scheduler: zero or too many processors is a UsageError") {
   CHECK_THROWS_AS(fiber::Scheduler({.processors = 0, .name = "zero"}), fiber::UsageError);
   CHECK_THROWS_AS(fiber::Scheduler({.processors = 1025, .name = "many"}), fiber::UsageError);

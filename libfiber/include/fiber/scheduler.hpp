@@ -147,6 +147,12 @@ class FIBER_API Scheduler {
   // The process-wide default scheduler, started on first use. It is never destroyed.
   static Scheduler& global();
 
+  // True once this process has started a processor thread (of any scheduler). A child forked
+  // before then is a new process to libfiber and its hooks: it may start schedulers of its own
+  // (the prefork server pattern). One forked after may use libfiber only to exec: the parent's
+  // processor threads, and the fibers its records wait for, did not come along.
+  static bool started_in_process() noexcept;
+
   detail::SchedulerImpl& impl() const noexcept { return *impl_; }
 
  private:

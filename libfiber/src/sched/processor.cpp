@@ -75,7 +75,16 @@ uint64_t Processor::next_fiber_id() noexcept {
 
 // ------------------------------------------------------------------------------ thread
 
+namespace {
+// Set before the first processor thread is created, never cleared (a forked child inherits it):
+// see Scheduler::started_in_process.
+std::atomic<bool> g_processor_threads_started{false};
+}  // namespace
+
+bool processor_threads_started() noexcept { return g_processor_threads_started.load(std::memory_order_relaxed); }
+
 void Processor::start() {
+  g_processor_threads_started.store(true, std::memory_order_relaxed);
   std::mutex mu;
   std::condition_variable cv;
   bool ready = false;

@@ -42,6 +42,9 @@ namespace fiber::detail {
 class SchedulerImpl;
 using RunQueue = LocalQueue<Fiber, 256>;
 
+// True once this process has started a processor thread (Scheduler::started_in_process).
+bool processor_threads_started() noexcept;
+
 // The C++ runtime's per-thread exception state: the exceptions being handled (what `throw;` and
 // std::current_exception() see, innermost first) and the count std::uncaught_exceptions()
 // returns. It is libstdc++'s and libc++abi's __cxa_eh_globals, whose layout is part of the

@@ -256,6 +256,8 @@ const std::string& Scheduler::name() const noexcept { return impl_->name(); }
 
 std::size_t Scheduler::live_fibers() const noexcept { return impl_->live_fibers(); }
 
+bool Scheduler::started_in_process() noexcept { return detail::processor_threads_started(); }
+
 Scheduler& Scheduler::global() {
   // Never destroyed: fibers may run while static destructors do (like Go's runtime at exit).
   static Scheduler* s = new Scheduler(Options{.name = "fiber"});
