@@ -552,11 +552,12 @@ int pipe2(int fds[2], int flags) noexcept {
 }  // extern "C"
 
 namespace {
-// A TCP socket whose connection is on its way (SYN sent, no answer yet).
+// A TCP socket whose connection is on its way (SYN sent; or received, in a simultaneous open).
 bool tcp_connecting(int fd) noexcept {
   uint8_t state = 0;  // tcp_info's first member: the kernel copies as much as is asked for
   socklen_t n = sizeof state;
-  return ::syscall(SYS_getsockopt, fd, IPPROTO_TCP, TCP_INFO, &state, &n) == 0 && n == 1 && state == TCP_SYN_SENT;
+  return ::syscall(SYS_getsockopt, fd, IPPROTO_TCP, TCP_INFO, &state, &n) == 0 && n == 1 &&
+         (state == TCP_SYN_SENT || state == TCP_SYN_RECV);
 }
 }  // namespace
 
@@ -1466,6 +1467,9 @@ int sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexc
   return rc;
 }
 
+// glibc exports it under this name too (older libraries call it).
+int __sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexcept __attribute__((alias("sigaction")));
+
 // longjmp and friends (fortified builds call __longjmp_chk): count out the handler levels the
 // jump leaves, then jump.
 [[noreturn]] void siglongjmp(sigjmp_buf env, int val) noexcept {
@@ -1528,14 +1532,17 @@ sighandler_t signal(int sig, sighandler_t handler) noexcept {
   const bool interrupts = sig > 0 && sig < _NSIG && g_sig_interrupts[sig].load(std::memory_order_relaxed);
   return install_handler(sig, handler, interrupts ? 0 : SA_RESTART);
 }
-sighandler_t bsd_signal(int sig, sighandler_t handler) noexcept { return signal(sig, handler); }
+// glibc's other names for the same function.
+sighandler_t bsd_signal(int sig, sighandler_t handler) noexcept __attribute__((alias("signal")));
+sighandler_t ssignal(int sig, sighandler_t handler) noexcept __attribute__((alias("signal")));
 
-// System V semantics: the handler is reset to SIG_DFL as it runs and does not block its signal.
-// A program built for strict ISO C or POSIX (no _DEFAULT_SOURCE) calls signal() as __sysv_signal.
+// System V semantics: the handler is reset to SIG_DFL as it runs and does not block its signal
+// (SA_INTERRUPT: no SA_RESTART; kernels since 5.11 drop the bit, older ones read it back). A
+// program built for strict ISO C or POSIX (no _DEFAULT_SOURCE) calls signal() as __sysv_signal.
 sighandler_t sysv_signal(int sig, sighandler_t handler) noexcept {
-  return install_handler(sig, handler, SA_RESETHAND | SA_NODEFER);
+  return install_handler(sig, handler, SA_RESETHAND | SA_NODEFER | SA_INTERRUPT);
 }
-sighandler_t __sysv_signal(int sig, sighandler_t handler) noexcept { return sysv_signal(sig, handler); }
+sighandler_t __sysv_signal(int sig, sighandler_t handler) noexcept __attribute__((alias("sysv_signal")));
 
 int siginterrupt(int sig, int interrupt) noexcept {
   if (sig <= 0 || sig >= _NSIG) {
@@ -1555,7 +1562,8 @@ int siginterrupt(int sig, int interrupt) noexcept {
 
 // System V sigset(): SIG_HOLD adds `sig` to the thread's mask; anything else installs it (no
 // flags, nothing blocked while it runs) and takes `sig` out of the mask. Returns SIG_HOLD if
-// `sig` was blocked, else the previous handler.
+// `sig` was blocked, else the previous handler. SIG_ERR is refused with EINVAL, as by signal():
+// glibc's sigset installs it, and the trampoline would then call address -1.
 sighandler_t sigset(int sig, sighandler_t disp) noexcept {
   if (disp == SIG_ERR || sig <= 0 || sig >= _NSIG) {
     set_errno(EINVAL);

@@ -1022,12 +1022,13 @@ TEST_CASE("semantics: a signal handler interrupting a fiber makes real calls; er
 
 // glibc's other handler installers call its internal sigaction, which no preload sees: the hooks
 // redo them, so their handlers too run behind the trampoline, with glibc's semantics. Old
-// interfaces, still in libc and in old code: C++ gets no declaration of bsd_signal, and the
-// others are deprecated.
+// interfaces, still in libc and in old code: C++ gets no declaration of bsd_signal, and some
+// of the others are deprecated.
 extern "C" sighandler_t bsd_signal(int sig, sighandler_t handler) noexcept;
+extern "C" int __sigaction(int sig, const struct sigaction* act, struct sigaction* old) noexcept;  // glibc's other name
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-TEST_CASE("semantics: handlers from bsd_signal, sysv_signal, __sysv_signal and sigset make real calls") {
+TEST_CASE("semantics: handlers from bsd_signal, ssignal, sysv_signal, __sysv_signal, sigset and __sigaction make real calls") {
   using Installer = sighandler_t (*)(int, sighandler_t);
   const struct {
     const char* name;
@@ -1036,9 +1037,19 @@ TEST_CASE("semantics: handlers from bsd_signal, sysv_signal, __sysv_signal and s
     bool once;  // reset to SIG_DFL as it runs
   } installers[] = {
       {"bsd_signal", bsd_signal, SA_RESTART, false},
+      {"ssignal", ssignal, SA_RESTART, false},
       {"sysv_signal", ::sysv_signal, SA_RESETHAND | SA_NODEFER, true},
       {"__sysv_signal", ::__sysv_signal, SA_RESETHAND | SA_NODEFER, true},
       {"sigset", ::sigset, 0, false},
+      {"__sigaction",
+       [](int sig, sighandler_t h) {
+         struct sigaction a{}, o{};
+         a.sa_handler = h;
+         sigemptyset(&a.sa_mask);
+         a.sa_flags = SA_RESTART;
+         return __sigaction(sig, &a, &o) == 0 ? o.sa_handler : SIG_ERR;
+       },
+       SA_RESTART, false},
   };
   struct sigaction old{};
   REQUIRE(::sigaction(SIGUSR1, nullptr, &old) == 0);
@@ -1046,7 +1057,7 @@ TEST_CASE("semantics: handlers from bsd_signal, sysv_signal, __sysv_signal and s
     Pair p = make_pipe();
     g_handler_fd = p.b;
     for (const auto& in : installers) {
-      INFO("installer: " << in.name);
+      INFO("installer: " << std::string(in.name));
       REQUIRE(::sigaction(SIGUSR1, &old, nullptr) == 0);
       g_handled = 0;
       REQUIRE((in.install(SIGUSR1, on_usr1) != SIG_ERR));

@@ -85,8 +85,10 @@ FIBER_API ssize_t sendmsg(int fd, const msghdr* msg, int flags, Deadline deadlin
 // accept4(2): the new descriptor (flags: SOCK_NONBLOCK, SOCK_CLOEXEC), or -errno.
 FIBER_API int accept(int fd, sockaddr* addr, socklen_t* addrlen, int flags = 0, Deadline deadline = {}) noexcept;
 // connect(2) to completion: 0 once connected, else -errno (-ECONNREFUSED, -ETIMEDOUT, ...).
-// A connection already in progress on `fd` is waited for, as by a blocking connect(2). One
-// whose deadline passed goes on in the background: connect again to wait for it, or close.
+// A connection already in progress on `fd` is waited for, as by a blocking connect(2) (on a
+// plain thread, only if `fd` is blocking: a non-blocking one gets -EALREADY, as from the
+// kernel). One whose deadline passed goes on in the background: connect again to wait for it,
+// or close.
 FIBER_API int connect(int fd, const sockaddr* addr, socklen_t addrlen, Deadline deadline = {}) noexcept;
 // Waits until `fd` is ready for `events` (POLLIN, POLLOUT, ...): the revents (> 0, as poll(2)
 // reports them, including POLLERR/POLLHUP/POLLNVAL), or -errno (-ETIMEDOUT, -ECANCELED, ...).
