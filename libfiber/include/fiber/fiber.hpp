@@ -19,5 +19,6 @@
 #include "fiber/rwmutex.hpp"
 #include "fiber/select.hpp"
 #include "fiber/semaphore.hpp"
+#include "fiber/ticker.hpp"
 #include "fiber/io.hpp"
 #include "fiber/net.hpp"

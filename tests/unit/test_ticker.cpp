@@ -1,0 +1,239 @@
+// fiber::Ticker and fiber::Timer: ticks never early and in order, a slow receiver gets the latest
+// tick and none queued, nothing received after stop() or reset() returns, select beside other
+// channels, a stopped one leaves no fiber behind (block_on returns), misuse, and stop/reset
+// racing the ticks from fibers and threads on 1-8 processors.
+#include <doctest/doctest.h>
+#include <fiber/fiber.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "team.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using namespace fiber_test;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Sleeps in a fiber, or in a thread.
+void pause(std::chrono::milliseconds d) {
+  if (fiber::this_fiber::in_fiber()) {
+    fiber::this_fiber::sleep_for(d);
+  } else {
+    std::this_thread::sleep_for(d);
+  }
+}
+
+// Nothing arrives on `ch` within `d`.
+void expect_silence(fiber::Channel<Clock::time_point>& ch, std::chrono::milliseconds d, const char* what) {
+  const auto r = ch.recv_for(d);
+  CHECK_MESSAGE(r.status == fiber::ChanStatus::timeout, what);
+}
+
+}  // namespace
+
+TEST_CASE("ticker: ticks come a period apart, never early, in order") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    for (Where w : kBoth) {
+      CAPTURE(where_name(w));
+      Team team;
+      team.spawn(w, s, [&s] {
+        constexpr auto kPeriod = 5ms;
+        const auto before = Clock::now();
+        fiber::Ticker tick(kPeriod, &s);
+        Clock::time_point last{};
+        for (int k = 1; k <= 5; ++k) {
+          const auto t = tick.channel().recv();
+          REQUIRE(t.has_value());
+          CHECK(*t >= before + k * kPeriod);  // the k-th tick, or a later one (missed ones drop)
+          CHECK(*t > last);
+          CHECK(Clock::now() >= *t);
+          last = *t;
+        }
+      });
+      team.join();
+      quiesce(s);  // the Ticker's fiber ends soon after its stop, not with it
+    }
+  });
+}
+
+TEST_CASE("ticker: a slow receiver finds one tick waiting, not the ones it missed") {
+  fiber::Ticker tick(2ms);
+  pause(30ms);  // about fifteen ticks, unreceived
+  CHECK(tick.channel().size() == 1);
+  auto first = tick.channel().try_recv();
+  REQUIRE(first);
+  const auto next = tick.channel().recv();
+  REQUIRE(next.has_value());
+  CHECK(*next > *first);
+}
+
+TEST_CASE("ticker: nothing is received after stop() returns; reset() starts it again") {
+  for (Where w : kBoth) {
+    CAPTURE(where_name(w));
+    fiber::Scheduler s({.processors = 2, .name = "tick"});
+    Team team;
+    team.spawn(w, s, [&s] {
+      fiber::Ticker tick(2ms, &s);
+      CHECK(tick.channel().recv().has_value());
+      pause(10ms);        // a tick waits in the channel
+      tick.stop();        // takes it back
+      CHECK(tick.channel().size() == 0);
+      expect_silence(tick.channel(), 30ms, "a tick after stop()");
+      tick.stop();  // again: nothing
+      const auto at = Clock::now();
+      tick.reset(3ms);
+      const auto t = tick.channel().recv();
+      REQUIRE(t.has_value());
+      CHECK(*t >= at + 3ms);
+      pause(10ms);
+      tick.reset(1h);  // no stale tick from the old period
+      expect_silence(tick.channel(), 30ms, "a tick after reset()");
+    });
+    team.join();
+  }
+}
+
+TEST_CASE("timer: fires once; stop() and reset() say whether it was still to be received") {
+  for (Where w : kBoth) {
+    CAPTURE(where_name(w));
+    fiber::Scheduler s({.processors = 2, .name = "timer"});
+    Team team;
+    team.spawn(w, s, [&s] {
+      {
+        const auto at = Clock::now();
+        fiber::Timer t(5ms, &s);
+        const auto fired = t.channel().recv();
+        REQUIRE(fired.has_value());
+        CHECK(*fired >= at + 5ms);
+        expect_silence(t.channel(), 20ms, "a second value from a Timer");
+        CHECK_FALSE(t.stop());  // received already
+        CHECK_FALSE(t.reset(2ms));
+        CHECK(t.channel().recv().has_value());  // fires again after a reset
+      }
+      {
+        fiber::Timer t(1h, &s);
+        CHECK(t.stop());  // stopped it before it fired
+        CHECK_FALSE(t.stop());
+        CHECK_FALSE(t.reset(1ms));
+        pause(10ms);  // fired, not received
+        CHECK(t.stop());  // taken back: it was never received
+        expect_silence(t.channel(), 20ms, "a value after stop()");
+      }
+      {
+        fiber::Timer t(-5ms, &s);  // at once
+        CHECK(t.channel().recv().has_value());
+      }
+    });
+    team.join();
+  }
+}
+
+TEST_CASE("ticker: in a select beside another channel") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Channel<int> jobs(0);
+    auto producer = fiber::spawn({.scheduler = &s}, [&] {
+      for (int i = 0; i < 20; ++i) {
+        jobs.send(i);
+        fiber::this_fiber::sleep_for(1ms);
+      }
+      jobs.close();
+    });
+    auto consumer = fiber::spawn({.scheduler = &s}, [&] {
+      fiber::Ticker tick(2ms);
+      fiber::Timer deadline(scaled(20'000ms));
+      std::optional<int> job;
+      std::optional<Clock::time_point> t;
+      int sum = 0, ticks = 0;
+      for (bool open = true; open;) {
+        switch (fiber::select(fiber::recv_case(jobs, job), fiber::recv_case(tick.channel(), t),
+                              fiber::recv_case(deadline.channel(), t))) {
+          case 0:
+            if (job) {
+              sum += *job;
+            } else {
+              open = false;
+            }
+            break;
+          case 1: ++ticks; break;
+          default: FAIL("the deadline passed before the jobs were done"); return std::pair{sum, ticks};
+        }
+      }
+      return std::pair{sum, ticks};
+    });
+    producer.join();
+    const auto [sum, ticks] = consumer.join();
+    CHECK(sum == 190);
+    CHECK(ticks > 0);  // twenty jobs a millisecond or more apart outlast a 2 ms period
+    quiesce(s);
+  });
+}
+
+// A running Ticker is a fiber; stopping or destroying it must end that fiber at once, or a
+// block_on around it would wait for its next tick (an hour here).
+TEST_CASE("ticker: a stopped or destroyed one leaves no fiber behind, so block_on returns") {
+  with_watchdog(30'000ms, "block_on around a stopped Ticker", [] {
+    fiber::block_on([] {
+      fiber::Ticker hourly(1h);
+      fiber::Timer later(1h);
+      fiber::Ticker stopped(1h);
+      stopped.stop();
+    });
+    fiber::Scheduler s({.processors = 2, .name = "gone"});
+    {
+      fiber::Ticker t(1h, &s);
+      fiber::Timer u(1h, &s);
+    }
+    CHECK(wait_for([&] { return s.live_fibers() == 0; }));
+  });
+}
+
+TEST_CASE("ticker: a period that is not positive is a UsageError") {
+  expect_usage_error([] { fiber::Ticker t(0ms); }, "period must be positive");
+  expect_usage_error([] { fiber::Ticker t(-1ms); }, "period must be positive");
+  fiber::Ticker t(1h);
+  expect_usage_error([&] { t.reset(0ns); }, "period must be positive");
+  t.reset(1h);  // still usable
+  fiber::Ticker moved = std::move(t);
+  moved.stop();
+}
+
+// stop() and reset() from fibers and threads while the ticks come and a fiber receives: never a
+// value after a stop() that nothing restarted, no crash, no hang (TSan checks the rest).
+TEST_CASE("ticker: stop and reset racing the ticks, from fibers and threads") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Ticker tick(100us, &s);
+    std::atomic<bool> done{false};
+    std::atomic<long> received{0};
+    auto receiver = fiber::spawn({.scheduler = &s}, [&] {
+      while (!done.load()) {
+        if (tick.channel().recv_for(1ms)) received.fetch_add(1);
+      }
+    });
+    Team team;
+    for (Where w : kBoth) {
+      team.spawn(w, s, [&, w] {
+        for (int i = 0; i < 200; ++i) {
+          if (i % 2 == 0) {
+            tick.stop();
+          } else {
+            tick.reset(w == Where::fiber ? 100us : 150us);
+          }
+          if (i % 16 == 0) pause(1ms);
+        }
+      });
+    }
+    team.join();
+    done = true;
+    receiver.join();
+    tick.stop();
+    expect_silence(tick.channel(), 10ms, "a tick after the last stop()");
+    CHECK(received.load() > 0);
+    quiesce(s);
+  });
+}
