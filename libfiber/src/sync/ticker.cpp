@@ -29,9 +29,9 @@ struct TickSource::State {
   CancelToken token;      // GUARDED_BY(mu): that fiber, once spawned
 };
 
-TickSource::TickSource(clock::duration d, bool periodic, Scheduler* scheduler)
-    : state_(std::make_shared<State>()), scheduler_(scheduler), periodic_(periodic) {
-  start(d);
+TickSource::TickSource(Deadline first, clock::duration period, Scheduler* scheduler)
+    : state_(std::make_shared<State>()), scheduler_(scheduler) {
+  start(first, period);
 }
 
 TickSource& TickSource::operator=(TickSource&& other) noexcept {
@@ -39,7 +39,6 @@ TickSource& TickSource::operator=(TickSource&& other) noexcept {
     stop();
     state_ = std::move(other.state_);
     scheduler_ = other.scheduler_;
-    periodic_ = other.periodic_;
   }
   return *this;
 }
@@ -64,43 +63,58 @@ bool TickSource::stop() noexcept {
   return pending;
 }
 
-bool TickSource::restart(clock::duration d) {
+bool TickSource::restart(Deadline first, clock::duration period) {
   const bool pending = stop();
-  start(d);
+  start(first, period);
   return pending;
 }
 
-void TickSource::start(clock::duration d) {
+namespace {
+// `at` + `step`, saturating at kNoDeadline.
+Deadline later(Deadline at, TickSource::clock::duration step) noexcept {
+  return step >= kNoDeadline - at ? kNoDeadline : at + step;
+}
+}  // namespace
+
+// Each generation's period travels with its fiber: resets racing each other share no field.
+void TickSource::start(Deadline first, clock::duration period) {
   std::uint64_t gen;
+  CancelToken earlier;  // a fiber an overlapping start() stored: its generation is over too
   {
     std::lock_guard lock(state_->mu);
     gen = ++state_->gen;
     state_->active = true;
+    earlier = std::move(state_->token);
   }
-  const clock::time_point first = clock::now() + d;
-  auto body = [st = state_, gen, period = d, periodic = periodic_, next = first]() mutable {
+  earlier.cancel();
+  auto body = [st = state_, gen, period, next = first]() mutable {
     try {
       for (;;) {
-        this_fiber::sleep_until(next);  // throws Cancelled once stopped
+        this_fiber::sleep_until(next);  // kNoDeadline: until cancelled; throws Cancelled then
         const clock::time_point now = clock::now();
         std::lock_guard lock(st->mu);
         if (st->gen != gen) return;  // stopped while it woke
-        st->ch.try_send(now);          // the last value not received yet stays: this one drops
-        if (!periodic) {
+        st->ch.try_send(now);          // the value not received yet stays: this one drops
+        if (period <= clock::duration::zero()) {
           st->active = false;
           return;
         }
-        // The next multiple of the period after now: ticks missed while the processor was
-        // busy are dropped, not fired in a burst.
-        next += period * ((now - next) / period + 1);
+        // The next multiple of the period after now: ticks this fiber was too late for are
+        // dropped, not fired in a burst.
+        next = later(next, period * ((now - next) / period + 1));
       }
     } catch (const Cancelled&) {
-      // Stopped (or the scheduler is stopping): nothing more to send.
+      // Stopped, or the scheduler is stopping: nothing more will be sent.
+    } catch (const ChannelClosed&) {
+      // Someone closed the channel, which it does not allow: nothing more can be sent.
     }
+    std::lock_guard lock(st->mu);
+    if (st->gen == gen) st->active = false;
   };
   CancelToken token;
   try {
-    auto h = spawn({.scheduler = scheduler_, .name = periodic_ ? "ticker" : "timer"}, std::move(body));
+    auto h = spawn({.scheduler = scheduler_, .name = period > clock::duration::zero() ? "ticker" : "timer"},
+                   std::move(body));
     token = h.cancel_token();
     h.detach();
   } catch (...) {
@@ -115,25 +129,15 @@ void TickSource::start(clock::duration d) {
       return;
     }
   }
-  // A stop() on another thread retired this generation before its token was stored here:
-  // cancel the fiber now, as that stop() would have.
+  // A stop() or start() on another thread ended this generation before its token was stored
+  // here: cancel the fiber now, as that call would have.
   token.cancel();
 }
 
 }  // namespace detail
 
-namespace {
-Ticker::clock::duration positive_period(Ticker::clock::duration period, const char* what) {
-  if (period <= Ticker::clock::duration::zero()) {
-    throw UsageError(std::string(what) + ": the period must be positive (got " + std::to_string(period.count()) + " ns)");
-  }
-  return period;
+void detail::throw_bad_period(const char* what, double seconds) {
+  throw UsageError(std::string(what) + ": the period must be positive (got " + std::to_string(seconds) + " s)");
 }
-}  // namespace
-
-Ticker::Ticker(clock::duration period, Scheduler* scheduler)
-    : src_(positive_period(period, "fiber::Ticker"), true, scheduler) {}
-
-void Ticker::reset(clock::duration period) { src_.restart(positive_period(period, "fiber::Ticker::reset")); }
 
 }  // namespace fiber
