@@ -113,7 +113,6 @@ class FIBER_API Ticker {
   Ticker(clock::duration period, Scheduler* scheduler, int)
       : src_(detail::deadline_after(period), period, scheduler) {}
 
- private:
   detail::TickSource src_;
 };
 
