@@ -33,6 +33,18 @@ if ! FIBER_IO=uring "$root/tools/io-probe.sh" >/dev/null 2>&1; then uring_ok=0; 
 
 failed=()
 results=()
+# What each failing pass printed about its failures, gathered here and printed once more at the
+# end, where a log cut down to its head and tail still shows them (build/test-failures.txt).
+failures_file="$root/build/test-failures.txt"
+mkdir -p "$root/build"
+: >"$failures_file"
+excerpt_failures() { # $1: label, $2: the pass's full output
+  {
+    echo "---- $1"
+    grep -n -B6 -A10 -E 'ERROR:|FATAL|crashed|[*]{3}(Failed|Timeout|Exception)|runtime error:|WARNING: ThreadSanitizer|AddressSanitizer|terminate called|Segmentation fault|Aborted' "$2" |
+      head -n 150 || true
+  } >>"$failures_file"
+}
 for p in "${presets[@]}"; do
   echo "==== [$p] configure"
   start=$SECONDS
@@ -55,9 +67,12 @@ for p in "${presets[@]}"; do
     # The install check does not depend on the engine: once is enough.
     extra=()
     [[ $e != "${engines[0]}" ]] && extra=(-LE install)
-    if ! FIBER_IO=$e "${launcher[@]}" ctest --preset "$p" "${extra[@]}"; then
+    log=$(mktemp)
+    if ! FIBER_IO=$e "${launcher[@]}" ctest --preset "$p" "${extra[@]}" 2>&1 | tee "$log"; then
       ok=0; failed+=("$p/$e"); results+=("$p FIBER_IO=$e: FAILED ($((SECONDS - start))s)")
+      excerpt_failures "$p FIBER_IO=$e" "$log"
     fi
+    rm -f "$log"
   done
   [[ $ok == 1 ]] && results+=("$p: passed under ${engines[*]} ($((SECONDS - start))s)")
 done
@@ -65,6 +80,8 @@ done
 echo "==== summary"
 printf '  %s\n' "${results[@]}"
 if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "==== what the failing passes printed about their failures ($failures_file)"
+  cat "$failures_file"
   echo "run-tests: FAILED presets: ${failed[*]}" >&2
   exit 1
 fi
