@@ -916,10 +916,10 @@ struct PayloadReport {
 // Spawns a Payload<Bytes> joined and detached (`go`), each capturing the Payload and a PayloadReport
 // pointer, and with a bound argument; checks each saw its bytes. In release builds also that the
 // joined and the `go` one landed in the block sizes given (sanitizer builds have a bigger Fiber).
+// Runs in a fiber too, so the size goes into each message: no CAPTURE (io_util.hpp says why).
 template <std::size_t Bytes>
 void check_payload(fiber::Scheduler& s, std::atomic<int>& live, fiber::detail::BlockClass joined,
                    fiber::detail::BlockClass detached) {
-  CAPTURE(Bytes);
   PayloadReport rj, rd;
   rd.wg.add(1);
   fiber::spawn({.scheduler = &s}, [r = &rj, p = Payload<Bytes>(&live)] {
@@ -932,15 +932,16 @@ void check_payload(fiber::Scheduler& s, std::atomic<int>& live, fiber::detail::B
     r->wg.done();
   };
   rd.wg.wait();
-  CHECK(rj.seen.load() == static_cast<long>(Bytes));
-  CHECK(rd.seen.load() == static_cast<long>(Bytes));
+  CHECK_MESSAGE(rj.seen.load() == static_cast<long>(Bytes), "Bytes = " << Bytes);
+  CHECK_MESSAGE(rd.seen.load() == static_cast<long>(Bytes), "Bytes = " << Bytes);
   if (!kSanitized) {
-    CHECK(static_cast<int>(rj.block) == static_cast<int>(joined));
-    CHECK(static_cast<int>(rd.block) == static_cast<int>(detached));
+    CHECK_MESSAGE(static_cast<int>(rj.block) == static_cast<int>(joined), "Bytes = " << Bytes);
+    CHECK_MESSAGE(static_cast<int>(rd.block) == static_cast<int>(detached), "Bytes = " << Bytes);
   }
   auto with_arg = [](const Payload<Bytes>& p, long k) { return p() + k; };
-  CHECK(fiber::spawn({.scheduler = &s}, with_arg, Payload<Bytes>(&live), 1000L).join() ==
-        static_cast<long>(Bytes) + 1000);
+  CHECK_MESSAGE(fiber::spawn({.scheduler = &s}, with_arg, Payload<Bytes>(&live), 1000L).join() ==
+                    static_cast<long>(Bytes) + 1000,
+                "Bytes = " << Bytes);
 }
 }  // namespace
 
