@@ -44,14 +44,14 @@ void learn_nonblocking(int fd) {
 // After `number` was closed: a blocking socket put on it behind the hooks' back (raw calls)
 // must be what a read there waits on - a park, ended by a byte from the peer - and not the
 // non-blocking descriptor the hook knew (a real read, which blocks the thread).
+// Runs in a fiber, so `how` goes into each message rather than a CAPTURE (io_util.hpp says why).
 void check_blocking_socket_on(int number, const std::string& how) {
-  CAPTURE(how);
   int sv[2];
-  REQUIRE(::syscall(SYS_socketpair, AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  REQUIRE_MESSAGE(::syscall(SYS_socketpair, AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0, how);
   const int peer = sv[0] == number ? sv[1] : sv[0];  // the number was free: the pair may have taken it
   if (sv[0] != number && sv[1] != number) {
-    REQUIRE(::syscall(SYS_dup3, sv[1], number, O_CLOEXEC) == number);
-    REQUIRE(::syscall(SYS_close, sv[1]) == 0);
+    REQUIRE_MESSAGE(::syscall(SYS_dup3, sv[1], number, O_CLOEXEC) == number, how);
+    REQUIRE_MESSAGE(::syscall(SYS_close, sv[1]) == 0, how);
   }
   Fd keep(peer);
   char c = 0;

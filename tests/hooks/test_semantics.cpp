@@ -898,8 +898,7 @@ TEST_CASE("semantics: a cancelled fiber's poll, ppoll or select over several des
     Pair p = make_pipe();
     Pair q = make_socketpair();
     const int nfds = std::max(p.a.get(), q.a.get()) + 1;
-    for (int kind = 0; kind < 3; ++kind) {
-      CAPTURE(kind);
+    for (int kind = 0; kind < 3; ++kind) {  // in a fiber: kind goes into the messages, no CAPTURE
       std::atomic<bool> entering{false};
       auto h = fiber::spawn([&] {
         pollfd set[2] = {{p.a, POLLIN, 0}, {q.a, POLLIN, 0}};
@@ -914,11 +913,11 @@ TEST_CASE("semantics: a cancelled fiber's poll, ppoll or select over several des
           return ::select(nfds, &rd, nullptr, nullptr, nullptr);
         });
       });
-      REQUIRE(wait_for([&] { return entering.load(); }));
+      REQUIRE_MESSAGE(wait_for([&] { return entering.load(); }), "kind " << kind);
       fiber::this_fiber::sleep_for(20ms);
       h.cancel();
       const Res r = h.join();
-      CHECK_MESSAGE((r.r == -1 && r.e == ECANCELED), "gave " << r.r << " errno " << err_str(r.e));
+      CHECK_MESSAGE((r.r == -1 && r.e == ECANCELED), "kind " << kind << " gave " << r.r << " errno " << err_str(r.e));
     }
   });
 }
