@@ -136,6 +136,46 @@ TEST_CASE("timer: fires once; stop() and reset() say whether it was still to be 
   }
 }
 
+// reset() of a running one keeps its fiber (no spawn: a deadline renewed per message is cheap)
+// and moves its deadline either way: earlier wakes the fiber at once (an hour's wait would hang
+// the test), later is not fired at the old time.
+TEST_CASE("ticker: reset() of a running one moves its deadline without a new fiber") {
+  for (Where w : kBoth) {
+    CAPTURE(where_name(w));
+    fiber::Scheduler s({.processors = 2, .name = "rearm"});
+    Team team;
+    team.spawn(w, s, [&s] {
+      fiber::Timer t(1h, &s);
+      fiber::Ticker k(1h, &s);
+      const std::uint64_t spawned = s.stats().spawned;
+      for (int i = 0; i < 1000; ++i) {
+        CHECK(t.reset(1h));  // still to fire: true, as Go's Reset
+        k.reset(1h);
+      }
+      CHECK(s.stats().spawned == spawned);
+      const auto at = Clock::now();
+      CHECK(t.reset(3ms));  // earlier
+      k.reset(2ms);
+      const auto fired = t.channel().recv();
+      REQUIRE(fired.has_value());
+      CHECK(*fired >= at + 3ms);
+      for (int i = 0; i < 3; ++i) {
+        const auto tick = k.channel().recv();
+        REQUIRE(tick.has_value());
+        CHECK(*tick >= at + 2ms);
+      }
+      CHECK(s.stats().spawned == spawned);
+      fiber::Timer later(2ms, &s);
+      CHECK(later.reset(1h));  // later, before it fired: the 2 ms pass without a value
+      expect_silence(later.channel(), 30ms, "the Timer at its old deadline");
+      k.reset(1h);
+      expect_silence(k.channel(), 30ms, "the Ticker at its old period");
+    });
+    team.join();
+    quiesce(s);
+  }
+}
+
 TEST_CASE("ticker: in a select beside another channel") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     fiber::Channel<int> jobs(0);

@@ -24,9 +24,11 @@
 // from the caller of the constructor or of reset(): on the scheduler given, else the calling
 // fiber's, else the default one; and, like any fiber, a member of the caller's block_on group
 // (stop one made inside a block_on before it ends, or block_on waits for it). Stopping or
-// destroying one cancels that fiber, which ends moments later (Scheduler::live_fibers counts it
-// until then). A reset() is a spawn and a cancel, microseconds: for a deadline renewed on every
-// message, prefer select's timeout_case. A scheduler given must outlive the object.
+// destroying one wakes that fiber to end, moments later (Scheduler::live_fibers counts it until
+// then). reset() of a running Ticker, or of a Timer that has not fired, keeps its fiber and only
+// moves its next deadline (a lock and a store, so a deadline renewed on every message is
+// cheap); after stop(), or once a Timer fired, reset() spawns a fiber again. A scheduler given
+// must outlive the object; reset() of a moved-from one is a UsageError.
 //
 // The channel belongs to the object: never close it, and not on a moved-from one (moving one
 // into another ends the target's ticks and leaves references to its channel dangling).
@@ -62,8 +64,9 @@ class FIBER_API TickSource {
   // Retires the running fiber and takes back a value not yet received. True if a value would
   // still have come: the fiber was running, or the value taken back had not been received.
   bool stop() noexcept;
-  // stop(), then a new fiber as the constructor's. Returns what stop() returned; on an
-  // exception (the spawn's) it stays stopped.
+  // The next value at `first`, then every `period`, as the constructor's. A running fiber is
+  // kept and given the new times (true, as stop() would return); otherwise stop(), then a new
+  // fiber. Returns what stop() would have; on an exception (the spawn's) it stays stopped.
   bool restart(Deadline first, clock::duration period);
 
  private:

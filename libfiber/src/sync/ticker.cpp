@@ -1,10 +1,14 @@
-// Ticker and Timer (fiber/ticker.hpp): a fiber per running one, sleeping on its processor's
-// timers between values. stop() must guarantee that nothing is received after it returns, from
-// any thread, without waiting for that fiber (a cancelled caller could not join it). So each
-// fiber carries a generation, and sends only under the state's mutex while its generation is
-// the current one; stop() retires the generation under the same mutex, takes back a value not
-// yet received, and cancels the fiber so that it ends now rather than at its next tick (a
-// block_on would otherwise wait for it).
+// Ticker and Timer (fiber/ticker.hpp): a fiber per running one, waiting on a condition
+// variable until the next value is due. stop() must guarantee that nothing is received after it
+// returns, from any thread, without waiting for that fiber (a cancelled caller could not join
+// it). So each fiber carries a generation, and sends only under the state's mutex while its
+// generation is the current one; stop() retires the generation under the same mutex, takes back
+// a value not yet received, and notifies the fiber, which sees it retired and ends now rather
+// than at its next tick (a block_on would otherwise wait for it).
+//
+// reset() of a running one only moves the next deadline (and period) under the mutex: the
+// fiber re-reads them whenever it wakes, and is woken at once only when the new deadline is
+// earlier than the one it waits for. A deadline renewed on every message is a lock and a store.
 #include "fiber/ticker.hpp"
 
 #include <cstdint>
@@ -12,21 +16,23 @@
 #include <string>
 #include <utility>
 
+#include "fiber/condvar.hpp"
 #include "fiber/error.hpp"
 #include "fiber/spawn.hpp"
-#include "fiber/this_fiber.hpp"
 
 namespace fiber {
 namespace detail {
 
 struct TickSource::State {
   Channel<clock::time_point> ch{1};
-  // Held only for a few non-blocking steps (never across a wait), so a plain mutex serves
-  // fibers and threads alike.
+  // Held only for a few non-blocking steps (the fiber's CondVar wait releases it), so a plain
+  // mutex serves fibers and threads alike.
   std::mutex mu;
+  CondVar cv;  // the fiber waits here until `next`; notified when it is moved earlier or retired
   std::uint64_t gen = 0;  // GUARDED_BY(mu): the generation allowed to send; stop() bumps it
-  bool active = false;    // GUARDED_BY(mu): a fiber of generation `gen` will still send
-  CancelToken token;      // GUARDED_BY(mu): that fiber, once spawned
+  bool active = false;    // GUARDED_BY(mu): a fiber of generation `gen` runs and will still send
+  Deadline next{};        // GUARDED_BY(mu): when that fiber sends next (kNoDeadline: never)
+  clock::duration period{};  // GUARDED_BY(mu): then every period; not positive: only once
 };
 
 TickSource::TickSource(Deadline first, clock::duration period, Scheduler* scheduler)
@@ -49,22 +55,38 @@ Channel<TickSource::clock::time_point>& TickSource::channel() const noexcept { r
 
 bool TickSource::stop() noexcept {
   if (!state_) return false;  // moved from
-  CancelToken fiber;
   bool pending;
   {
     std::lock_guard lock(state_->mu);
     ++state_->gen;
     pending = state_->active;
     state_->active = false;
-    fiber = std::move(state_->token);
     if (state_->ch.try_recv()) pending = true;  // sent, never received
   }
-  fiber.cancel();  // no effect once it has ended
+  state_->cv.notify_all();  // the retired fiber (and any older one still waiting) ends now
   return pending;
 }
 
 bool TickSource::restart(Deadline first, clock::duration period) {
-  const bool pending = stop();
+  if (!state_) throw UsageError("fiber::Ticker/Timer::reset: the object was moved from");
+  bool running, sooner = false;
+  {
+    std::lock_guard lock(state_->mu);
+    running = state_->active;
+    if (running) {
+      // Its fiber keeps going with the new times: no spawn. A value not yet received is taken
+      // back, as stop() would.
+      (void)state_->ch.try_recv();
+      sooner = first < state_->next;
+      state_->next = first;
+      state_->period = period;
+    }
+  }
+  if (running) {
+    if (sooner) state_->cv.notify_all();  // it waits for the later deadline: wake it to re-wait
+    return true;
+  }
+  const bool pending = stop();  // takes back a value sent and not received
   start(first, period);
   return pending;
 }
@@ -76,62 +98,54 @@ Deadline later(Deadline at, TickSource::clock::duration step) noexcept {
 }
 }  // namespace
 
-// Each generation's period travels with its fiber: resets racing each other share no field.
 void TickSource::start(Deadline first, clock::duration period) {
   std::uint64_t gen;
-  CancelToken earlier;  // a fiber an overlapping start() stored: its generation is over too
   {
     std::lock_guard lock(state_->mu);
     gen = ++state_->gen;
     state_->active = true;
-    earlier = std::move(state_->token);
+    state_->next = first;
+    state_->period = period;
   }
-  earlier.cancel();
-  auto body = [st = state_, gen, period, next = first]() mutable {
+  state_->cv.notify_all();  // a fiber of an overlapping start() is retired too: let it go
+  auto body = [st = state_, gen] {
+    std::unique_lock lock(st->mu);
     try {
-      for (;;) {
-        this_fiber::sleep_until(next);  // kNoDeadline: until cancelled; throws Cancelled then
+      while (st->gen == gen) {
+        const Deadline next = st->next;
+        if (next == kNoDeadline || clock::now() < next) {
+          // Woken by a notify (moved earlier, or retired), or at `next`: look again either
+          // way, since a reset may have moved it while this fiber waited.
+          st->cv.wait_until(lock, next);
+          continue;
+        }
         const clock::time_point now = clock::now();
-        std::lock_guard lock(st->mu);
-        if (st->gen != gen) return;  // stopped while it woke
-        st->ch.try_send(now);          // the value not received yet stays: this one drops
-        if (period <= clock::duration::zero()) {
+        st->ch.try_send(now);  // the value not received yet stays: this one drops
+        if (st->period <= clock::duration::zero()) {
           st->active = false;
           return;
         }
         // The next multiple of the period after now: ticks this fiber was too late for are
         // dropped, not fired in a burst.
-        next = later(next, period * ((now - next) / period + 1));
+        st->next = later(next, st->period * ((now - next) / st->period + 1));
       }
+      return;  // retired: stop() or a newer start() cleared `active` or owns it now
     } catch (const Cancelled&) {
-      // Stopped, or the scheduler is stopping: nothing more will be sent.
+      // The scheduler is stopping: nothing more will be sent.
     } catch (const ChannelClosed&) {
       // Someone closed the channel, which it does not allow: nothing more can be sent.
     }
-    std::lock_guard lock(st->mu);
+    if (!lock.owns_lock()) lock.lock();
     if (st->gen == gen) st->active = false;
   };
-  CancelToken token;
   try {
-    auto h = spawn({.scheduler = scheduler_, .name = period > clock::duration::zero() ? "ticker" : "timer"},
-                   std::move(body));
-    token = h.cancel_token();
-    h.detach();
+    spawn({.scheduler = scheduler_, .name = period > clock::duration::zero() ? "ticker" : "timer"}, std::move(body))
+        .detach();
   } catch (...) {
     std::lock_guard lock(state_->mu);
     if (state_->gen == gen) state_->active = false;
     throw;
   }
-  {
-    std::lock_guard lock(state_->mu);
-    if (state_->gen == gen) {
-      state_->token = std::move(token);
-      return;
-    }
-  }
-  // A stop() or start() on another thread ended this generation before its token was stored
-  // here: cancel the fiber now, as that call would have.
-  token.cancel();
 }
 
 }  // namespace detail
