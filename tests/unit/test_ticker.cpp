@@ -154,22 +154,19 @@ TEST_CASE("ticker: reset() of a running one moves its deadline without a new fib
       }
       CHECK(s.stats().spawned == spawned);
       const auto at = Clock::now();
-      CHECK(t.reset(3ms));  // earlier
+      CHECK(t.reset(3ms));  // earlier: without a wake, the fiber would wait out its hour
       k.reset(2ms);
-      const auto fired = t.channel().recv();
-      REQUIRE(fired.has_value());
-      CHECK(*fired >= at + 3ms);
+      const auto fired = t.channel().recv_for(scaled(10'000ms));
+      REQUIRE_MESSAGE(fired.status == fiber::ChanStatus::ok, "the Timer moved earlier did not fire");
+      CHECK(*fired.value >= at + 3ms);
       for (int i = 0; i < 3; ++i) {
-        const auto tick = k.channel().recv();
-        REQUIRE(tick.has_value());
-        CHECK(*tick >= at + 2ms);
+        const auto tick = k.channel().recv_for(scaled(10'000ms));
+        REQUIRE_MESSAGE(tick.status == fiber::ChanStatus::ok, "the Ticker moved earlier did not tick");
+        CHECK(*tick.value >= at + 2ms);
       }
-      CHECK(s.stats().spawned == spawned);
-      fiber::Timer later(2ms, &s);
-      CHECK(later.reset(1h));  // later, before it fired: the 2 ms pass without a value
-      expect_silence(later.channel(), 30ms, "the Timer at its old deadline");
-      k.reset(1h);
+      k.reset(1h);  // later (a Ticker is always running): its 2 ms period is gone
       expect_silence(k.channel(), 30ms, "the Ticker at its old period");
+      CHECK(s.stats().spawned == spawned);
     });
     team.join();
     quiesce(s);
@@ -253,6 +250,11 @@ TEST_CASE("ticker: a period that is not positive is a UsageError") {
   t.reset(1h);  // still usable
   fiber::Ticker moved = std::move(t);
   moved.stop();
+  expect_usage_error([&] { t.reset(1h); }, "moved from");  // NOLINT(bugprone-use-after-move)
+  fiber::Timer u(1h);
+  fiber::Timer v = std::move(u);
+  expect_usage_error([&] { (void)u.reset(1h); }, "moved from");  // NOLINT(bugprone-use-after-move)
+  CHECK(v.stop());
 }
 
 // stop() and reset() from fibers and threads while the ticks come and a fiber receives: no
@@ -290,8 +292,43 @@ TEST_CASE("ticker: stop and reset racing the ticks, from fibers and threads") {
   });
 }
 
-// Resets racing each other: every generation but the last is cancelled, none left sleeping out
-// its hour (quiesce would time out waiting for it).
+// A Timer re-armed again and again from a fiber and a thread while its deadline keeps passing,
+// with a receiver taking what fires: resets that keep the fiber race its sends. Whatever they
+// returned, once stop() returns nothing more is received, and a last reset still fires.
+TEST_CASE("timer: resets racing its own deadline leave nothing stale after stop()") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    fiber::Timer t(100us, &s);
+    std::atomic<bool> done{false};
+    std::atomic<int> fired{0};
+    auto receiver = fiber::spawn({.scheduler = &s}, [&] {
+      while (!done.load()) {
+        if (t.channel().recv_for(1ms)) ++fired;
+      }
+    });
+    Team team;
+    for (Where w : kBoth) {
+      team.spawn(w, s, [&] {
+        for (int i = 0; i < 300; ++i) {
+          (void)t.reset(std::chrono::microseconds(50 + i % 3 * 50));
+          if (i % 32 == 0) pause(1ms);
+        }
+      });
+    }
+    team.join();
+    done = true;
+    receiver.join();
+    MESSAGE(fired.load() << " values received during the resets");
+    (void)t.stop();
+    expect_silence(t.channel(), 10ms, "a value after stop()");
+    CHECK_FALSE(t.reset(1ms));  // stopped: nothing was still to come
+    CHECK(t.channel().recv_for(scaled(10'000ms)));
+    quiesce(s);
+  });
+}
+
+// Resets of a stopped one racing each other and stops, so that several start a fiber at once:
+// every generation but the last ends, none is left waiting out its hour (quiesce would time out
+// waiting for it).
 TEST_CASE("ticker: resets racing each other leave one fiber, and none once stopped") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
     for (int round = 0; round < 20; ++round) {
@@ -299,7 +336,10 @@ TEST_CASE("ticker: resets racing each other leave one fiber, and none once stopp
       Team team;
       for (Where w : kBoth) {
         team.spawn(w, s, [&] {
-          for (int i = 0; i < 20; ++i) t.reset(1h);
+          for (int i = 0; i < 20; ++i) {
+            t.stop();
+            t.reset(1h);
+          }
         });
       }
       team.join();
@@ -330,7 +370,11 @@ TEST_CASE("ticker: a closed channel or a stopped scheduler ends its fiber quietl
   }
   fiber::Scheduler s({.processors = 1, .name = "stopping"});
   fiber::Timer t(1h, &s);
-  s.stop();  // cancels the timer's fiber
+  fiber::Timer u(1h, &s);
+  s.stop();  // cancels the timers' fibers
   CHECK(wait_for([&] { return s.live_fibers() == 0; }));
   CHECK_FALSE(t.stop());  // it could no longer fire
+  // Its fiber is gone: a reset cannot just move its deadline, it must start one, which a
+  // stopped scheduler refuses (rather than a true that nothing would ever follow).
+  CHECK_THROWS_AS((void)u.reset(1ms), fiber::UsageError);
 }

@@ -20,15 +20,17 @@
 // back a value not yet received, so none arrives after they return (Go 1.23's rule).
 // channel(), stop() and reset() are safe to call from any fiber or thread, concurrently.
 //
-// A running Ticker or Timer is a fiber that sleeps between ticks, spawned as by fiber::spawn
-// from the caller of the constructor or of reset(): on the scheduler given, else the calling
-// fiber's, else the default one; and, like any fiber, a member of the caller's block_on group
-// (stop one made inside a block_on before it ends, or block_on waits for it). Stopping or
-// destroying one wakes that fiber to end, moments later (Scheduler::live_fibers counts it until
-// then). reset() of a running Ticker, or of a Timer that has not fired, keeps its fiber and only
-// moves its next deadline (a lock and a store, so a deadline renewed on every message is
-// cheap); after stop(), or once a Timer fired, reset() spawns a fiber again. A scheduler given
-// must outlive the object; reset() of a moved-from one is a UsageError.
+// A running Ticker or Timer is a fiber that waits between ticks, spawned as by fiber::spawn
+// from the caller of the constructor, or of a reset() that had to start one: on the scheduler
+// given, else the calling fiber's, else the default one; and, like any fiber, a member of that
+// caller's block_on group (stop one made inside a block_on before it ends, or block_on waits
+// for it). Stopping or destroying one wakes that fiber to end, moments later
+// (Scheduler::live_fibers counts it until then). reset() of a running Ticker, or of a Timer that
+// has not fired, keeps that fiber, where it is: it only moves the next deadline, under a lock
+// (tens of nanoseconds, so a deadline renewed on every message is cheap). After stop(), or once
+// a Timer fired or its fiber ended otherwise (cancelled by a stopping scheduler), reset() spawns
+// one again, and throws as fiber::spawn does. A scheduler given must outlive the object;
+// reset() of a moved-from one is a UsageError.
 //
 // The channel belongs to the object: never close it, and not on a moved-from one (moving one
 // into another ends the target's ticks and leaves references to its channel dangling).

@@ -8,7 +8,10 @@
 //
 // reset() of a running one only moves the next deadline (and period) under the mutex: the
 // fiber re-reads them whenever it wakes, and is woken at once only when the new deadline is
-// earlier than the one it waits for. A deadline renewed on every message is a lock and a store.
+// earlier than the one it waits for. A fiber that ends, however it ends - even without ever
+// running its body (a spawned fiber that gets no stack finishes with the error) - clears
+// `active` for its generation, or resets would keep re-arming a fiber that is gone: the body on
+// its way out, under the lock of its last look, and its callable's destructor in any case.
 #include "fiber/ticker.hpp"
 
 #include <cstdint>
@@ -30,7 +33,7 @@ struct TickSource::State {
   std::mutex mu;
   CondVar cv;  // the fiber waits here until `next`; notified when it is moved earlier or retired
   std::uint64_t gen = 0;  // GUARDED_BY(mu): the generation allowed to send; stop() bumps it
-  bool active = false;    // GUARDED_BY(mu): a fiber of generation `gen` runs and will still send
+  bool active = false;    // GUARDED_BY(mu): a fiber of generation `gen` exists and will still send
   Deadline next{};        // GUARDED_BY(mu): when that fiber sends next (kNoDeadline: never)
   clock::duration period{};  // GUARDED_BY(mu): then every period; not positive: only once
 };
@@ -108,7 +111,23 @@ void TickSource::start(Deadline first, clock::duration period) {
     state_->period = period;
   }
   state_->cv.notify_all();  // a fiber of an overlapping start() is retired too: let it go
-  auto body = [st = state_, gen] {
+  // Owned by the fiber's callable, so it goes when the fiber ends, even one whose body never ran:
+  // the body clears `active` itself on every way out, this only for that case.
+  struct Ending {
+    std::shared_ptr<State> st;
+    std::uint64_t gen;
+    Ending(std::shared_ptr<State> s, std::uint64_t g) noexcept : st(std::move(s)), gen(g) {}
+    Ending(Ending&& o) noexcept : st(std::move(o.st)), gen(o.gen) {}
+    Ending& operator=(Ending&&) = delete;
+    ~Ending() {
+      if (!st) return;  // moved from
+      std::lock_guard lock(st->mu);
+      if (st->gen == gen) st->active = false;  // a newer generation's `active` is not ours
+    }
+  };
+  auto body = [end = Ending(state_, gen)] {
+    State* const st = end.st.get();
+    const std::uint64_t gen = end.gen;
     std::unique_lock lock(st->mu);
     try {
       while (st->gen == gen) {
@@ -122,14 +141,14 @@ void TickSource::start(Deadline first, clock::duration period) {
         const clock::time_point now = clock::now();
         st->ch.try_send(now);  // the value not received yet stays: this one drops
         if (st->period <= clock::duration::zero()) {
-          st->active = false;
+          st->active = false;  // a Timer: done, under the lock of its send (no reset in between)
           return;
         }
         // The next multiple of the period after now: ticks this fiber was too late for are
         // dropped, not fired in a burst.
         st->next = later(next, st->period * ((now - next) / st->period + 1));
       }
-      return;  // retired: stop() or a newer start() cleared `active` or owns it now
+      // Retired: stop() or a newer start() took over `active`.
     } catch (const Cancelled&) {
       // The scheduler is stopping: nothing more will be sent.
     } catch (const ChannelClosed&) {
