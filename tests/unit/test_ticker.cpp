@@ -322,6 +322,16 @@ TEST_CASE("timer: resets racing its own deadline leave nothing stale after stop(
     expect_silence(t.channel(), 10ms, "a value after stop()");
     CHECK_FALSE(t.reset(1ms));  // stopped: nothing was still to come
     CHECK(t.channel().recv_for(scaled(10'000ms)));
+    // A reset landing just as the Timer fires, with nobody receiving: whichever way it goes,
+    // the Timer fires once more. (A fiber that ended after its send, apart from the step that
+    // marks it done, would let the reset keep a fiber that is gone: nothing would come.)
+    for (int i = 0; i < 200; ++i) {
+      (void)t.reset(50us);
+      for (const auto until = Clock::now() + std::chrono::microseconds(i % 5 * 25); Clock::now() < until;) {
+      }
+      (void)t.reset(50us);
+      REQUIRE_MESSAGE(t.channel().recv_for(scaled(10'000ms)), "round " << i << ": a reset Timer never fired");
+    }
     quiesce(s);
   });
 }
@@ -343,6 +353,9 @@ TEST_CASE("ticker: resets racing each other leave one fiber, and none once stopp
         });
       }
       team.join();
+      // One fiber left: every generation a later start() retired has ended (not waiting out
+      // its hour, which a block_on would wait for).
+      CHECK(wait_for([&] { return s.live_fibers() == 1; }));
       CHECK(t.stop());
     }
     quiesce(s);
