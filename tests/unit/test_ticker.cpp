@@ -390,4 +390,5 @@ TEST_CASE("ticker: a closed channel or a stopped scheduler ends its fiber quietl
   // Its fiber is gone: a reset cannot just move its deadline, it must start one, which a
   // stopped scheduler refuses (rather than a true that nothing would ever follow).
   CHECK_THROWS_AS((void)u.reset(1ms), fiber::UsageError);
+  CHECK_FALSE(u.stop());  // the failed spawn left it stopped: nothing is to come
 }

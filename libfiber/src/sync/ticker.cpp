@@ -11,7 +11,8 @@
 // earlier than the one it waits for. A fiber that ends, however it ends - even without ever
 // running its body (a spawned fiber that gets no stack finishes with the error) - clears
 // `active` for its generation, or resets would keep re-arming a fiber that is gone: the body on
-// its way out, under the lock of its last look, and its callable's destructor in any case.
+// its way out, under the lock of its last look, and its callable's destructor in any case (also
+// when spawn() throws, the callable going with the exception).
 #include "fiber/ticker.hpp"
 
 #include <cstdint>
@@ -111,8 +112,9 @@ void TickSource::start(Deadline first, clock::duration period) {
     state_->period = period;
   }
   state_->cv.notify_all();  // a fiber of an overlapping start() is retired too: let it go
-  // Owned by the fiber's callable, so it goes when the fiber ends, even one whose body never ran:
-  // the body clears `active` itself on every way out, this only for that case.
+  // Owned by the fiber's callable, so it goes when the fiber ends, even one whose body never
+  // ran, or with the exception when spawn() throws: the body clears `active` itself on every way
+  // out, this for the rest.
   struct Ending {
     std::shared_ptr<State> st;
     std::uint64_t gen;
@@ -157,14 +159,8 @@ void TickSource::start(Deadline first, clock::duration period) {
     if (!lock.owns_lock()) lock.lock();
     if (st->gen == gen) st->active = false;
   };
-  try {
-    spawn({.scheduler = scheduler_, .name = period > clock::duration::zero() ? "ticker" : "timer"}, std::move(body))
-        .detach();
-  } catch (...) {
-    std::lock_guard lock(state_->mu);
-    if (state_->gen == gen) state_->active = false;
-    throw;
-  }
+  spawn({.scheduler = scheduler_, .name = period > clock::duration::zero() ? "ticker" : "timer"}, std::move(body))
+      .detach();
 }
 
 }  // namespace detail
