@@ -6,7 +6,8 @@
 //   2. Equal deadlines fire in the order they were added (a call's `max` shows it).
 //   3. One call fires every due entry, however many batches of kFireBatch that takes.
 //   4. A removed entry never fires; next_deadline() follows the heap's head.
-//   5. Randomised against a sorted model.
+//   5. A drained burst gives its storage back; a small heap keeps its own.
+//   6. Randomised against a sorted model.
 //
 // The waiters belong to a plain thread (each test body runs on a fresh one): a claim then only
 // records the reason in the Waiter, which is what the checks read.
@@ -136,6 +137,45 @@ TEST_CASE("TimerQueue: a removed entry never fires; next_deadline follows the he
     CHECK(q.next_deadline() == TimerQueue::kNone);
     CHECK(q.fire_expired(1000) == 0);
     CHECK_FALSE(t[2]->fired());
+  });
+}
+
+TEST_CASE("TimerQueue: a drained burst gives its storage back; a small heap keeps its own") {
+  fiber_test::run_on_thread([] {
+    TimerQueue q;
+    constexpr std::size_t kBurst = 4 * TimerQueue::kKeptCapacity;
+    std::vector<std::unique_ptr<Timer>> t;
+    for (std::size_t i = 0; i < kBurst; ++i) t.push_back(std::make_unique<Timer>(100 + static_cast<int64_t>(i)));
+
+    // Fired: storage stays while one entry is left, goes with the last.
+    for (auto& x : t) q.add(&x->e);
+    REQUIRE(q.capacity() >= kBurst);
+    CHECK(q.fire_expired(100 + static_cast<int64_t>(kBurst) - 2) == kBurst - 1);
+    CHECK(q.capacity() >= kBurst);
+    CHECK(q.fire_expired(1'000'000) == 1);
+    CHECK(q.size() == 0);
+    CHECK(q.capacity() == 0);
+    CHECK(q.next_deadline() == TimerQueue::kNone);
+
+    // Removed (waits that ended another way): the same once the last one leaves.
+    t.clear();
+    for (std::size_t i = 0; i < kBurst; ++i) t.push_back(std::make_unique<Timer>(100));
+    for (auto& x : t) q.add(&x->e);
+    for (std::size_t i = 0; i + 1 < kBurst; ++i) q.remove(&t[i]->e);
+    CHECK(q.capacity() >= kBurst);
+    q.remove(&t.back()->e);
+    CHECK(q.capacity() == 0);
+
+    // The heap works on from nothing, and a heap within kKeptCapacity keeps its storage.
+    t.clear();
+    for (int i = 0; i < 100; ++i) t.push_back(std::make_unique<Timer>(50 + i));
+    for (auto& x : t) q.add(&x->e);
+    CHECK(q.next_deadline() == 50);
+    const std::size_t small = q.capacity();
+    CHECK(small >= 100);
+    CHECK(q.fire_expired(1000) == 100);
+    for (auto& x : t) CHECK(x->fired());
+    CHECK(q.capacity() == small);
   });
 }
 

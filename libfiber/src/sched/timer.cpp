@@ -27,10 +27,12 @@ void TimerQueue::add(TimerEntry* e) {
 }
 
 void TimerQueue::remove(TimerEntry* e) noexcept {
+  std::vector<TimerEntry*> excess;  // destroyed after the lock is released
   std::lock_guard lock(mu_);
   if (e->index == TimerEntry::kNotQueued) return;
   erase_at(e->index);
   publish_next();
+  excess = take_excess_storage();
 }
 
 std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
@@ -51,6 +53,7 @@ std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
     // fiber stacks too) and remote removers wait behind at most one batch.
     Waiter* claimed[kFireBatch];
     std::size_t n = 0;
+    std::vector<TimerEntry*> excess;  // destroyed after the lock is released
     {
       std::lock_guard lock(mu_);
       const std::size_t room = std::min(std::size(claimed), max - taken);
@@ -64,6 +67,7 @@ std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
       taken += batch;
       more = batch == room && !heap_.empty() && heap_[0]->deadline_ns <= now;
       publish_next();
+      excess = take_excess_storage();
     }
     for (std::size_t i = 0; i < n; ++i) {
       if (hold_earliest && earliest == nullptr) {
@@ -81,6 +85,11 @@ std::size_t TimerQueue::fire_expired(int64_t now, std::size_t max) noexcept {
 std::size_t TimerQueue::size() const noexcept {
   std::lock_guard lock(mu_);
   return heap_.size();
+}
+
+std::size_t TimerQueue::capacity() const noexcept {
+  std::lock_guard lock(mu_);
+  return heap_.capacity();
 }
 
 void TimerQueue::sift_up(std::size_t i) noexcept {

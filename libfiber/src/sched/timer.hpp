@@ -6,12 +6,17 @@
 // steps (amortised: an add may grow the vector), never across a switch. Firing claims the
 // entry's waiter with WakeReason::Timeout under the lock, so a fiber that resumes for another
 // reason and then removes its entry can never race with a firing that still reads it.
+//
+// A burst of timers (a million sleepers on one processor) grows the heap to 8 MB. Once the heap
+// has drained, storage for more than kKeptCapacity entries goes back, freed after the lock is
+// released (a free may unmap); smaller heaps keep theirs, so a steady load does not reallocate.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "fiber/detail/wait.hpp"
@@ -37,6 +42,8 @@ class TimerQueue {
   // fire_expired() claims at most this many at a time under the lock (its buffer is on the
   // caller's stack, possibly a fiber's), and wakes them before it claims more.
   static constexpr std::size_t kFireBatch = 16;
+  // Entries' worth of storage an empty heap keeps (32 KiB).
+  static constexpr std::size_t kKeptCapacity = 4096;
 
   // Executed only by the owner processor.
   void add(TimerEntry* e);
@@ -49,6 +56,8 @@ class TimerQueue {
   // returns how many woke a waiter (an entry whose waiter a peer claimed first wakes none).
   std::size_t fire_expired(int64_t now, std::size_t max = std::numeric_limits<std::size_t>::max()) noexcept;
   std::size_t size() const noexcept;
+  // Entries the heap has room for without growing (tests: storage is given back).
+  std::size_t capacity() const noexcept;
 
  private:
   bool less(const TimerEntry* a, const TimerEntry* b) const noexcept {
@@ -57,6 +66,12 @@ class TimerQueue {
   void sift_up(std::size_t i) noexcept;
   void sift_down(std::size_t i) noexcept;
   void erase_at(std::size_t i) noexcept;
+  // Under mu_: the heap's storage if it is empty and larger than kKeptCapacity entries (the
+  // heap keeps none), else nothing. The caller frees it once the lock is released.
+  std::vector<TimerEntry*> take_excess_storage() noexcept {
+    if (!heap_.empty() || heap_.capacity() <= kKeptCapacity) return {};
+    return std::exchange(heap_, {});
+  }
   void publish_next() noexcept {
     next_.store(heap_.empty() ? kNone : heap_[0]->deadline_ns, std::memory_order_release);
   }
