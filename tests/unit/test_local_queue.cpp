@@ -1122,7 +1122,7 @@ struct RefuseSegments {
 TEST_CASE("injector: FIFO across its segments and the spill list used when no segment can be had") {
   using fiber::detail::Fiber;
   using fiber::detail::Injector;
-  constexpr std::size_t kBatch = 600;  // more than two segments
+  constexpr std::size_t kBatch = 2 * Injector::kSegmentEntries + 100;  // more than two segments
   std::vector<Fiber> fibers(6 * kBatch);
   std::vector<Fiber*> order;
   for (Fiber& f : fibers) order.push_back(&f);
@@ -1152,7 +1152,7 @@ TEST_CASE("injector: FIFO across its segments and the spill list used when no se
   got.clear();
   {
     RefuseSegments refuse(1'000'000);
-    inj.push_batch(batch(4), kBatch);  // the spare segment holds the first 253, the rest spill
+    inj.push_batch(batch(4), kBatch);  // the spare segment holds the first kSegmentEntries, the rest spill
     CHECK(Injector::refuse_segments.load() == 1'000'000 - 1);  // one refusal, then the list
     CHECK(inj.pop() == batch(4)[0]);
   }

@@ -11,6 +11,13 @@
 // Tokio's way, which needs no memory. Order stays FIFO: while the spill list is not empty every
 // push goes there, and pops drain the segments first, so the segments only ever hold fibers
 // older than the spill list's.
+//
+// Segments are 64 KiB. A spawner that never yields (a million `go`s in a loop) sends half its
+// ring here at a time, and with 2 KiB segments it took a segment from malloc every 253 fibers,
+// under the lock the other processors pop with; the arena grew by an mprotect(2) a time. With
+// 64 KiB: spawn 75 -> 69 ns and spawn_1t 153 -> 146 ns per fiber (medians of five interleaved
+// runs). An idle scheduler keeps at most one spare segment, whose pages are touched only as far
+// as it was ever filled.
 #pragma once
 
 #include <algorithm>
@@ -94,13 +101,17 @@ class Injector {
   // link the static library (fiber_internal); the shared library does not export it.
   static inline std::atomic<int> refuse_segments{0};
 
+  // Fibers a segment holds: with its header, 64 KiB.
+  static constexpr std::size_t kSegmentEntries = 8189;
+
  private:
   struct Segment {
-    static constexpr std::size_t kSize = 253;  // with the header, 2 KiB
+    static constexpr std::size_t kSize = kSegmentEntries;
     Segment* next = nullptr;
     std::size_t begin = 0, end = 0;
     Fiber* items[kSize];
   };
+  static_assert(sizeof(Segment) == 64 * 1024);
 
   // Appends to the segments as many of fibers[0, n) as it has room for, taking new segments as
   // needed; returns how many (fewer than n only when no segment can be had). Under mu_.
