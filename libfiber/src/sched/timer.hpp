@@ -7,9 +7,12 @@
 // entry's waiter with WakeReason::Timeout under the lock, so a fiber that resumes for another
 // reason and then removes its entry can never race with a firing that still reads it.
 //
-// A burst of timers (a million sleepers on one processor) grows the heap to 8 MB. Once the heap
-// has drained, storage for more than kKeptCapacity entries goes back, freed after the lock is
-// released (a free may unmap); smaller heaps keep theirs, so a steady load does not reallocate.
+// A burst of timers (a million sleepers on one processor) grows the heap to 8 MB. A heap that
+// drains to empty with room for more than kKeptCapacity entries gives all of it back, freed
+// after the lock is released (a free may unmap); a heap within that bound keeps its storage, so
+// loads of up to kKeptCapacity timers per processor never reallocate. A larger burst grows it
+// again from nothing each time: about log2(burst) reallocations, each copying what the heap
+// holds, which costs little beside the burst's own adds.
 #pragma once
 
 #include <atomic>
@@ -42,8 +45,8 @@ class TimerQueue {
   // fire_expired() claims at most this many at a time under the lock (its buffer is on the
   // caller's stack, possibly a fiber's), and wakes them before it claims more.
   static constexpr std::size_t kFireBatch = 16;
-  // Entries' worth of storage an empty heap keeps (32 KiB).
-  static constexpr std::size_t kKeptCapacity = 4096;
+  // The most storage (in entries; 512 KiB) an empty heap keeps.
+  static constexpr std::size_t kKeptCapacity = 65536;
 
   // Executed only by the owner processor.
   void add(TimerEntry* e);
