@@ -49,6 +49,13 @@ std::vector<std::unique_ptr<Timer>> make_timers(std::initializer_list<int64_t> d
   return v;
 }
 
+// n timers due at first, first + step, ...
+std::vector<std::unique_ptr<Timer>> make_timers(std::size_t n, int64_t first, int64_t step) {
+  std::vector<std::unique_ptr<Timer>> v;
+  for (std::size_t i = 0; i < n; ++i) v.push_back(std::make_unique<Timer>(first + static_cast<int64_t>(i) * step));
+  return v;
+}
+
 }  // namespace
 
 TEST_CASE("TimerQueue: only due entries fire, earliest first, whatever the order of adding") {
@@ -145,8 +152,7 @@ TEST_CASE("TimerQueue: a drained burst gives its storage back; a small heap keep
     TimerQueue q;
     // One entry more than an empty heap keeps room for: the storage grew past the bound.
     constexpr std::size_t kBurst = TimerQueue::kKeptCapacity + 1;
-    std::vector<std::unique_ptr<Timer>> t;
-    for (std::size_t i = 0; i < kBurst; ++i) t.push_back(std::make_unique<Timer>(100 + static_cast<int64_t>(i)));
+    auto t = make_timers(kBurst, 100, 1);
 
     // Fired: storage stays while one entry is left, goes with the last.
     for (auto& x : t) q.add(&x->e);
@@ -159,8 +165,7 @@ TEST_CASE("TimerQueue: a drained burst gives its storage back; a small heap keep
     CHECK(q.next_deadline() == TimerQueue::kNone);
 
     // Removed (waits that ended another way): the same once the last one leaves.
-    t.clear();
-    for (std::size_t i = 0; i < kBurst; ++i) t.push_back(std::make_unique<Timer>(100));
+    t = make_timers(kBurst, 100, 0);
     for (auto& x : t) q.add(&x->e);
     for (std::size_t i = 0; i + 1 < kBurst; ++i) q.remove(&t[i]->e);
     CHECK(q.capacity() >= kBurst);
@@ -168,10 +173,9 @@ TEST_CASE("TimerQueue: a drained burst gives its storage back; a small heap keep
     CHECK(q.capacity() == 0);
 
     // The heap works on from nothing, and one that stayed within the bound (half of it: room
-    // for at most twice that, whatever the vector's growth) keeps its storage when drained.
-    t.clear();
+    // for at most twice that, a vector growing by doubling or less) keeps its storage when drained.
     constexpr std::size_t kSmall = TimerQueue::kKeptCapacity / 2;
-    for (std::size_t i = 0; i < kSmall; ++i) t.push_back(std::make_unique<Timer>(50 + static_cast<int64_t>(i)));
+    t = make_timers(kSmall, 50, 1);
     for (auto& x : t) q.add(&x->e);
     CHECK(q.next_deadline() == 50);
     const std::size_t kept = q.capacity();
