@@ -256,3 +256,44 @@ TEST_CASE("condvar: a notified waiter whose re-lock is cancelled passes the noti
   CHECK(cancelled.load() == 1);
   CHECK(items == 0);
 }
+
+namespace {
+// A lock whose unlock() notifies another condition variable: a wait on it runs that notify in
+// its window, between making itself wakeable and switching away.
+struct NotifyingLock {
+  fiber::Mutex mu;
+  fiber::CondVar* notifies = nullptr;
+  void lock() { mu.lock(); }
+  void unlock() {
+    mu.unlock();
+    notifies->notify_all();
+  }
+};
+}  // namespace
+
+TEST_CASE("condvar: two waits whose unlocks notify each other, on two threads, never wait for each other") {
+  // A's unlock wakes B, B's wakes A, each from inside its own wait's window (on two schedulers,
+  // so on two threads). A waker that finds its fiber still switching away waits for the switch
+  // (processor.cpp, unpark); were that true inside a window as well, two such windows would
+  // wait for each other for ever. Both run their rounds to the end.
+  constexpr int kRounds = 20'000;
+  fiber::Scheduler s1({.processors = 1, .name = "cva"});
+  fiber::Scheduler s2({.processors = 1, .name = "cvb"});
+  fiber::CondVar ca, cb;
+  NotifyingLock la{.notifies = &cb}, lb{.notifies = &ca};
+  std::atomic<int> rounds{0};
+  auto body = [&rounds](NotifyingLock& l, fiber::CondVar& cv) {
+    for (int i = 0; i < kRounds; ++i) {
+      std::unique_lock lk(l);
+      cv.wait_for(lk, 100us);  // the other's unlock, or the timeout
+      rounds.fetch_add(1, std::memory_order_relaxed);
+    }
+  };
+  with_watchdog(scaled(60'000ms), "mutually notifying condvar waits", [&] {
+    auto a = fiber::spawn({.scheduler = &s1}, [&] { body(la, ca); });
+    auto b = fiber::spawn({.scheduler = &s2}, [&] { body(lb, cb); });
+    a.join();
+    b.join();
+  });
+  CHECK(rounds.load() == 2 * kRounds);
+}

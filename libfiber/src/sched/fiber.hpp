@@ -1,14 +1,14 @@
 // The fiber control block and its lifecycle.
 //
 // States and who moves a fiber between them (checked by transition() or set_state() on the
-// owner's side; the Parking/Parked/Notified steps are CASes, see Processor::unpark):
+// owner's side; see unpark() in processor.cpp for the park steps):
 //
 //   Created  --submit-->            Runnable   (spawner)
 //   Runnable --resume-->            Running    (the processor that dequeued it)
 //   Running  --yield-->             Runnable   (itself; enqueued after the switch away)
 //   Running  --begin park-->        Parking    (itself, before it becomes visible to wakers)
 //   Parking  --after the switch-->  Parked     (the context it switched to)
-//   Parking  --unpark-->            Notified   (a waker that came before the switch finished)
+//   Parking  --unpark-->            Notified   (a waker on its own thread, before the switch)
 //   Notified --after the switch-->  Runnable   (the context it switched to, which enqueues it)
 //   Parked   --unpark-->            Runnable   (the waker, which enqueues it)
 //   Notified --no switch-->         Running    (itself: woken before park_current switched)
@@ -17,7 +17,9 @@
 //   Running  --return-->            Finished   (itself; stack freed after the switch away)
 //
 // So a fiber becomes runnable only once its stack is no longer in use (invariant 1): the step
-// that publishes it runs on the other side of the switch. See libfiber/README.md, "Parking".
+// that publishes it runs on the other side of the switch. Only its own thread writes a Parking
+// fiber's state, so every step is a plain store: a waker on another thread that finds Parking
+// waits for Parked. See libfiber/README.md, "Parking".
 #pragma once
 
 #include <atomic>

@@ -3,7 +3,8 @@
 //
 //   loop:  find_work() -> run it | park the thread in the poller
 //   yield: find_work() -> switch to it, the other side enqueues us at the tail (or the yield slot)
-//   park:  find_work() -> switch to it (or to the loop), the other side publishes us as Parked
+//   park:  find_work<true>() (the cheap picks) -> switch to it (or to the loop), the other side
+//          publishes us as Parked
 //
 // find_work() (DESIGN §5): tick; every kEventInterval ticks poll timers/inbox; the LIFO slot (at
 // most kMaxLifoInARow times in a row); once due (kGlobalInterval ticks since the last time) the
@@ -265,14 +266,27 @@ Processor* Processor::switch_to(Processor* p, Fiber* from, Fiber* to, After acti
   return m.p;
 }
 
-// `f` has switched away to park: it is Parked from now on, unless a waker came while it was
-// still switching away and left the enqueueing to us.
+// `f` has switched away to park: it is Parked from now on, unless a waker on this thread came
+// while it was still switching away and left the enqueueing to us. A plain load and store: only
+// this thread writes a Parking fiber's state (wakers on other threads wait for Parked, unpark).
 void Processor::publish_parked(Fiber* f) noexcept {
-  FiberState expected = FiberState::Parking;
-  if (f->state.compare_exchange_strong(expected, FiberState::Parked, std::memory_order_acq_rel)) [[likely]] return;
-  if (expected != FiberState::Notified) f->bad_transition(expected, FiberState::Parking, FiberState::Parked);
-  f->state.store(FiberState::Runnable, std::memory_order_release);
-  schedule_local(f);
+  const FiberState s = f->state.load(std::memory_order_relaxed);
+  if (s == FiberState::Parking) [[likely]] {
+    f->state.store(FiberState::Parked, std::memory_order_release);
+  } else {
+    if (s != FiberState::Notified) f->bad_transition(s, FiberState::Parking, FiberState::Parked);
+    f->state.store(FiberState::Runnable, std::memory_order_release);
+    schedule_local(f);
+  }
+  wake_deferred();  // the wakes `f` made in its window (defer_wake)
+}
+
+void Processor::wake_deferred_now() noexcept {
+  while (Fiber* f = deferred_wakes_) {
+    deferred_wakes_ = f->next;
+    f->next = nullptr;
+    unpark(f);
+  }
 }
 
 // A fiber's outermost frame, and the one that makes its last switch. That switch never returns,
@@ -364,11 +378,13 @@ bool is_compact(const Fiber* f) noexcept { return f->stack.kind == StackKind::Co
 // directly, when it can run from here. A pick pinned to another processor goes to that one's
 // inbox, and we look again. A pick that has no stack yet and cannot get one, or a compact one,
 // goes to the LIFO slot for the loop to finish or run, and we switch to the loop; so does a
-// compact `self`, without looking. nullptr: nothing to run at all.
+// compact `self`, without looking. nullptr: nothing to run at all (for a park, kParking:
+// nothing cheap to run; the loop looks further).
+template <bool kParking>
 [[gnu::always_inline]] inline Fiber* Processor::next_to_run_after(const Fiber* self) noexcept {
   if (is_compact(self)) return &loop_;
   for (;;) {
-    Fiber* next = find_work();
+    Fiber* next = find_work<kParking>();
     if (next == nullptr) return nullptr;
     if (next->pinned != nullptr && next->pinned != this) [[unlikely]] {
       next->pinned->push_inbox(next);
@@ -412,8 +428,9 @@ void Processor::park_current(ParkReason why) noexcept {
   // made it Notified it is done with us, and nothing else moves a Parking fiber.
   if (self->state.load(std::memory_order_acquire) == FiberState::Notified) {
     self->state.store(FiberState::Running, std::memory_order_relaxed);
+    p->wake_deferred();
   } else {
-    Fiber* next = p->next_to_run_after(self);
+    Fiber* next = p->next_to_run_after<true>(self);
     switch_to(p, self, next ? next : &p->loop_, After::Park);
   }
   self->park_reason.store(ParkReason::None, std::memory_order_relaxed);
@@ -638,9 +655,20 @@ bool Processor::maintenance() noexcept {
 // Inline, and only the common case: with no periodic duty this tick and no search going on, the
 // LIFO slot or the ring has a fiber. Everything else is find_work_slow(), out of line, so the
 // fast path of a yield or a park saves and restores no registers for the rare ones.
+//
+// For a park (kParking), only the cheap picks: the LIFO slot and the local queue. Everything
+// else - the engine, timers and inbox, the injector, steals - the loop does, after the switch has
+// published the fiber as Parked. A waker on another thread that finds it still Parking waits for
+// that (unpark), so its window stays short. A due tick is left for the loop's own find_work.
+template <bool kParking>
 [[gnu::always_inline]] inline Fiber* Processor::find_work() noexcept {
-  const uint32_t tick = ++tick_;
-  if ((tick & (kEventInterval - 1)) != 0 && !injector_due() && !searching_) [[likely]] {
+  const uint32_t tick = tick_ + 1;
+  const bool routine = (tick & (kEventInterval - 1)) != 0 && tick - last_injector_tick_ < kGlobalInterval && !searching_;
+  if constexpr (kParking) {
+    if (!routine) [[unlikely]] return nullptr;
+  }
+  tick_ = tick;
+  if (routine) [[likely]] {
     if (lifo_in_a_row_ < kMaxLifoInARow) {
       if (Fiber* f = take_lifo()) {
         ++lifo_in_a_row_;
@@ -661,6 +689,7 @@ bool Processor::maintenance() noexcept {
       if (Fiber* f = take_queued()) return f;
     }
   }
+  if constexpr (kParking) return nullptr;
   return find_work_slow();
 }
 
@@ -807,19 +836,45 @@ void Processor::stats_into(ProcessorStats& out) const noexcept {
 
 void unpark(Fiber* f) noexcept {
   FiberState s = f->state.load(std::memory_order_acquire);
-  for (;;) {
-    if (s == FiberState::Parking) {
-      // Still switching away: its processor enqueues it once the switch is complete.
-      if (f->state.compare_exchange_weak(s, FiberState::Notified, std::memory_order_acq_rel)) return;
-    } else if (s == FiberState::Parked) {
-      // A store, not a CAS: a parked fiber's one waker is the one that claimed its wait (us),
-      // and the fiber itself cannot move until we enqueue it.
-      f->state.store(FiberState::Runnable, std::memory_order_release);
-      break;
-    } else {
-      f->bad_transition(s, FiberState::Parked, FiberState::Runnable);
+  if (s == FiberState::Parking) [[unlikely]] {
+    Fiber* self = current_fiber();
+    if (f == self) {
+      // Woken in its own window (a wait it claimed itself, say): park_current does not switch,
+      // or the context it switched to enqueues it. Nobody else writes a Parking fiber's state.
+      f->state.store(FiberState::Notified, std::memory_order_relaxed);
+      return;
+    }
+    if (self != nullptr) {
+      // In a window of our own (user code in a CondVar wait, unlocking its lock): f's window
+      // could be waiting for ours. Woken when ours has ended (every way a window ends drains
+      // the list). Not when finishing (Finished, waking a joiner or a group's waiter): then
+      // nothing waits for us, and no drain would follow.
+      const FiberState mine = self->state.load(std::memory_order_relaxed);
+      if (mine == FiberState::Parking || mine == FiberState::Notified) {
+        current_processor()->defer_wake(f);
+        return;
+      }
+    }
+    // Still switching away on another thread: wait until that switch is complete, as a Go
+    // waker waits on the channel lock the parker holds until then. A window is usually a few
+    // hundred instructions (the primitive's own, a timer add, the cheap picks of
+    // find_work<true>, the switch); at worst a first run's stack allocation, a submission or
+    // a user lock's unlock(). It takes no lock that a waker holds while it wakes: wakers wake
+    // outside the primitives' locks (stop() too, outside the registry's), and those that wake
+    // under one (io::close and fd_end, under a descriptor's slot lock) wake fibers already past
+    // taking it.
+    for (int spins = 0; (s = f->state.load(std::memory_order_acquire)) == FiberState::Parking; ++spins) {
+      if (spins < 128) {
+        __builtin_ia32_pause();
+      } else {
+        sched_yield();
+      }
     }
   }
+  // A store, not a CAS: a parked fiber's one waker is the one that claimed its wait (us), and
+  // the fiber itself cannot move until we enqueue it.
+  if (s != FiberState::Parked) [[unlikely]] f->bad_transition(s, FiberState::Parked, FiberState::Runnable);
+  f->state.store(FiberState::Runnable, std::memory_order_release);
   Processor* p = current_processor();
   if (f->pinned != nullptr && p == f->pinned) {
     p->schedule_local(f);

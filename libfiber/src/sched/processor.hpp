@@ -142,6 +142,17 @@ class Processor {
 
   // ---- Executed only by the owner thread (fiber or loop context).
   void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
+  // unpark() called by a fiber that is parking itself (user code in its window: a CondVar's
+  // lock's unlock()) for a fiber still parking on another thread: it may not wait for that
+  // switch, which could be waiting for ours. Queued through `next` (a claimed fiber is in no
+  // queue) and woken once our window has ended: after our switch, or where it ends without one.
+  void defer_wake(Fiber* f) noexcept {
+    f->next = deferred_wakes_;
+    deferred_wakes_ = f;
+  }
+  void wake_deferred() noexcept {
+    if (deferred_wakes_ != nullptr) [[unlikely]] wake_deferred_now();
+  }
   [[gnu::noinline]] void schedule_yield(Fiber* f) noexcept;  // a yielding fiber: tail of the queue
   void schedule_yielded(Fiber* f) noexcept;  // the same, or the yield slot: see there
   // block_on group counts, kept as a debt (sched/group.hpp). A member of `g` finished here.
@@ -193,8 +204,11 @@ class Processor {
   void thread_main();
   void run(Fiber* f) noexcept;               // from the loop context
   bool prepare_first_run(Fiber* f) noexcept;  // stack + context for a fiber's first run
+  template <bool kParking = false>
   Fiber* find_work() noexcept;
+  template <bool kParking = false>
   Fiber* next_to_run_after(const Fiber* self) noexcept;  // yield/park/move/finish: see there
+  [[gnu::noinline]] void wake_deferred_now() noexcept;
   [[gnu::noinline]] Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
@@ -279,6 +293,7 @@ class Processor {
   uint32_t last_injector_tick_ = 0;  // tick_ when next_local() last read the injector first
   uint32_t lifo_in_a_row_ = 0;
   uint32_t yielded_due_ = 0;  // the tick from which the yield slot's fiber goes before the queue
+  Fiber* deferred_wakes_ = nullptr;  // defer_wake(), linked through Fiber::next
   // Runnable fibers pinned to this processor (yielded, woken here, back from the inbox), in
   // order, linked through Fiber::next. In the ring a thief would take one, find it pinned
   // elsewhere and send it back through the inbox: a wake, a steal and a locked push for

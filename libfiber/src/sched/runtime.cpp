@@ -591,16 +591,17 @@ void fiber_cancel(Fiber* f) noexcept {
 }
 
 void fiber_cancel_claim(Fiber* f) noexcept {
+  if (fiber_cancel_try_claim(f)) unpark(f);
+}
+
+bool fiber_cancel_try_claim(Fiber* f) noexcept {
   uint64_t cur = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
   for (;;) {
     const WakeWord w = WakeWord::unpack(cur);
     // Not waiting, or in a shielded wait: its next (unshielded) wait sees the bit.
-    if (w.reason != WakeReason::Pending || w.shielded) return;
+    if (w.reason != WakeReason::Pending || w.shielded) return false;
     const WakeWord claimed{w.gen, true, WakeReason::Cancelled, false};
-    if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) {
-      unpark(f);
-      return;
-    }
+    if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) return true;
   }
 }
 

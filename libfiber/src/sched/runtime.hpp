@@ -46,6 +46,10 @@ inline bool plain_wait_start() noexcept { return g_plain_wait_start.load(std::me
 void fiber_cancel_mark(Fiber* f) noexcept;
 bool fiber_cancel_fence() noexcept;  // false: membarrier refused; claim again later (stop: next round)
 void fiber_cancel_claim(Fiber* f) noexcept;
+// fiber_cancel_claim without the wake: true if it claimed the fiber's wait, which the caller
+// must then unpark. For callers that hold a lock: unpark may wait for a parking fiber to finish
+// its switch, which may need that lock (stop(): a registry shard's).
+[[nodiscard]] bool fiber_cancel_try_claim(Fiber* f) noexcept;
 // Ends a prepared wait that will not be waited for. A cancel or close may have claimed it
 // meanwhile; then this returns once their unpark has landed.
 void waiter_abandon(Waiter& w) noexcept;

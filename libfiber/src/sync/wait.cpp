@@ -203,6 +203,7 @@ void waiter_abandon(Waiter& w) noexcept {
   if (waiter_claim(w, WakeReason::Notified)) {
     // Claimed by ourselves: nobody will unpark us.
     w.fiber->state.store(FiberState::Running, std::memory_order_release);
+    current_processor()->wake_deferred();  // our window has ended
     return;
   }
   // A cancel (or a close) claimed it first and is about to unpark us: let that unpark land
@@ -219,6 +220,7 @@ WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
   if (ww.cancelled && !ww.shielded && waiter_claim(w, WakeReason::Cancelled)) {
     // Claimed by ourselves: no waker will unpark us. Wakers that lost do nothing.
     f->state.store(FiberState::Running, std::memory_order_release);
+    current_processor()->wake_deferred();  // our window has ended
     return WakeReason::Cancelled;
   }
   Processor::park_current(why);
