@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -29,6 +30,22 @@ std::string usage_message(const std::function<void()>& f) {
     return "<some other exception>";
   }
   return "<no exception>";
+}
+
+// A thread that sets `release` once s.stop() has begun, which it tells by spawning from outside
+// until that is refused: for fibers that must go on only after stop() began.
+std::thread release_once_stopping(fiber::Scheduler& s, std::atomic<bool>& release) {
+  return std::thread([&s, &release] {
+    for (;;) {
+      try {
+        fiber::spawn({.scheduler = &s}, [] {}).detach();
+      } catch (const fiber::UsageError&) {
+        break;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    release = true;
+  });
 }
 }  // namespace
 
@@ -500,18 +517,7 @@ TEST_CASE("Scheduler: stop() cancels fibers that were still queued when it began
     }));
   }
   CHECK(s.live_fibers() == kQueued + 1);
-  std::thread releaser([&] {
-    // stop() has begun once spawning from outside is refused; only then let the queue run.
-    for (;;) {
-      try {
-        fiber::spawn({.scheduler = &s}, [] {}).detach();
-      } catch (const fiber::UsageError&) {
-        break;
-      }
-      std::this_thread::sleep_for(1ms);
-    }
-    release = true;
-  });
+  std::thread releaser = release_once_stopping(s, release);
   with_watchdog(20'000ms, "stop() with queued fibers", [&] { s.stop(); });
   releaser.join();
   CHECK(s.live_fibers() == 0);
@@ -519,6 +525,53 @@ TEST_CASE("Scheduler: stop() cancels fibers that were still queued when it began
   CHECK(jobs_ran.load() == 0);
   hog.join();
   for (auto& h : queued) CHECK_THROWS_AS(h.join(), fiber::Cancelled);
+}
+
+TEST_CASE("Scheduler: stop() ends fibers that ran from before it without parking, polling cancelled() or I/O") {
+  // Fibers list themselves for stop() only at their first cancellation point or switch away
+  // (libfiber/README.md, "Shutdown"). These two run from before stop() begins and have done neither:
+  // one then polls this_fiber::cancelled(), the other receives from a socket that always has
+  // data (with the epoll engine the receive never parks). Both must see the cancel.
+  fiber::Scheduler::Options o;
+  o.processors = 2;
+  o.name = "stop-running";
+  o.watchdog.enabled = false;  // both hold their processors on purpose
+  fiber::Scheduler s(o);
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+  REQUIRE(::write(sv[1], "x", 1) == 1);
+  std::atomic<int> started{0};
+  std::atomic<bool> release{false};
+  auto poller = fiber::spawn({.scheduler = &s}, [&] {
+    started.fetch_add(1);
+    while (!release.load()) {
+    }
+    while (!fiber::this_fiber::cancelled()) {
+    }
+  });
+  auto receiver = fiber::spawn({.scheduler = &s}, [&] {
+    started.fetch_add(1);
+    while (!release.load()) {
+    }
+    char c;
+    for (;;) {
+      const ssize_t n = fiber::io::recv(sv[0], &c, 1, MSG_PEEK);
+      if (n == -ECANCELED) return;
+      if (n != 1) throw std::runtime_error("recv: " + std::to_string(n));
+    }
+  });
+  if (!wait_for([&] { return started.load() == 2; })) {
+    release = true;  // let them end rather than hang the scheduler's destructor
+    FAIL("the two fibers did not both start");
+  }
+  std::thread releaser = release_once_stopping(s, release);
+  with_watchdog(20'000ms, "stop() with fibers running since before it", [&] { s.stop(); });
+  releaser.join();
+  CHECK(s.live_fibers() == 0);
+  CHECK_NOTHROW(poller.join());
+  CHECK_NOTHROW(receiver.join());
+  ::close(sv[0]);
+  ::close(sv[1]);
 }
 
 TEST_CASE("Scheduler: spawning onto a stopped scheduler is a UsageError") {

@@ -168,21 +168,30 @@ TEST_CASE("dump: lists every live fiber of every scheduler, with names") {
   CHECK(contains(after.str(), "0 live fibers"));
 }
 
-TEST_CASE("dump and live_fibers: fibers spawned and still queued are counted, not listed") {
+TEST_CASE("dump and live_fibers: fibers queued, or running and not listed yet, are counted, not listed") {
   fiber::Scheduler s({.processors = 1, .name = "dump-queued"});
-  std::string d;
+  std::string d, d_listed;
   std::size_t live_inside = 0;
+  unsigned long long root = 0;
   fiber::block_on({.scheduler = &s}, [&] {
+    root = fiber::this_fiber::id();
     // One processor, and this fiber does not yield: the three stay queued until it returns.
     for (int i = 0; i < 3; ++i) go[] {};
     live_inside = s.live_fibers();
     std::ostringstream out;
     s.dump(out);
     d = out.str();
+    // Not listed yet either (no cancellation point, no switch away): its first check lists it.
+    (void)fiber::this_fiber::cancelled();
+    std::ostringstream out2;
+    s.dump(out2);
+    d_listed = out2.str();
   });
   CHECK(live_inside == 4);
   CHECK(contains(d, "scheduler 'dump-queued': 4 live fibers"));
-  CHECK(contains(d, "3 queued, not started yet"));
+  CHECK(contains(d, "4 queued or running, not listed yet"));
+  CHECK(contains(d_listed, "3 queued or running, not listed yet"));
+  CHECK(contains(d_listed, "fiber #" + std::to_string(root) + " running"));
   // The processor lines: who is awake, and what waits where.
   CHECK(contains(d, "1 of 1 processors awake"));
   CHECK(contains(d, "P0: awake, "));

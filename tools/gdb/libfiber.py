@@ -2,7 +2,7 @@
 # backtrace of a fiber that is not running.
 #
 #   (gdb) source tools/gdb/libfiber.py        # or: gdb -x tools/gdb/libfiber.py ...
-#   (gdb) info fibers                         # every started fiber of every scheduler
+#   (gdb) info fibers                         # the listed and running fibers of every scheduler
 #   (gdb) fiber bt 42                         # backtrace of fiber #42 (parked or queued)
 #   (gdb) fiber bt 42 -full                   # any `backtrace` options/count go through
 #   (gdb) fiber bt all                        # every fiber that has a saved context
@@ -11,10 +11,12 @@
 #   fiber_detail_schedulers (extern "C", sched/introspect.cpp): newest SchedulerImpl, linked by
 #   next_scheduler_; SchedulerImpl::registry_.shards_ (std::vector<Shard>), each Shard's `head`
 #   list linked by Fiber::reg_next; Fiber::{id, name, state, park_reason, last_processor (an
-#   index into SchedulerImpl::processors_), ctx, stack}; Processor::{index_, tid_, current_}.
-#   A fiber is listed from its first run to its end: one spawned and still queued, which has no
-#   stack or frames yet, is only counted (from the processors' spawned_/finished_ and the
-#   scheduler's foreign_spawned_, as live_fibers() does).
+#   index into SchedulerImpl::processors_), ctx, stack, reg_shard}; Processor::{index_, tid_,
+#   current_, loop_}. A fiber is listed from its first cancellation point or switch away to its
+#   end; a processor's running fiber is shown whether listed or not. The rest - spawned and still
+#   queued (no stack or frames yet), or running without having been listed - is only counted
+#   (from the processors' spawned_/finished_ and the scheduler's foreign_spawned_, as
+#   live_fibers() does).
 #
 # `fiber bt` works on core files as well as on live processes because it changes nothing in the
 # inferior: a Python unwinder (FiberUnwinder) takes over the unwinding of the selected thread's
@@ -170,7 +172,8 @@ def schedulers():
 
 
 def fibers(sched):
-    """The started, unfinished fibers (gdb.Value Fiber*) of one scheduler, shard by shard."""
+    """The listed fibers (gdb.Value Fiber*) of one scheduler, shard by shard, then the running
+    fibers of its processors that are not listed (yet)."""
     for shard in _vector(sched["registry_"]["shards_"]):
         f = shard["head"]
         n = 0
@@ -178,6 +181,22 @@ def fibers(sched):
             yield f
             n += 1
             f = f["reg_next"]
+    try:
+        slots = int(_atomic(sched["slots_"]))
+        procs = [_unique_ptr(u) for u in _vector(sched["processors_"])][:slots]
+    except (gdb.error, gdb.MemoryError):
+        return
+    for p in procs:
+        if int(p) == 0:
+            continue
+        try:
+            f = _atomic(p["current_"])
+            if _uint(f) == 0 or _uint(f) == _uint(p["loop_"].address):
+                continue
+            if int(f["reg_shard"]) == 0xFFFF:  # Fiber::kUnlisted
+                yield f
+        except (gdb.error, gdb.MemoryError):
+            continue
 
 
 def _unique_ptr(u):
@@ -311,9 +330,10 @@ class InfoFibers(gdb.Command):
 
 Usage: info fibers
 
-For each scheduler (newest first), one line per started fiber: its id, name, state, park
-reason (for a parked fiber) and the index of the processor that last ran it ("-": not started).
-Fibers spawned and still queued, never run, are counted in one line.
+For each scheduler (newest first), one line per listed fiber (one that has reached a
+cancellation point or switched away) and per running one: its id, name, state, park reason
+(for a parked fiber) and the index of the processor that last ran it ("-": not started). The
+rest, still queued, are counted in one line.
 A running fiber also names the gdb thread of its processor. Works on live processes and core
 files. `fiber bt ID` prints the backtrace of one that is not running."""
 
@@ -339,7 +359,7 @@ files. `fiber bt ID` prints the backtrace of one that is not running."""
                       % (_std_string(sched["name_"]), s.format_string(raw=True, symbols=False),
                          live, int(sched["base_"])))
             if live > len(rows):
-                gdb.write("  %d queued, not started yet\n" % (live - len(rows)))
+                gdb.write("  %d queued or running, not listed yet\n" % (live - len(rows)))
             if not rows:
                 continue
             rows.sort(key=lambda r: r.id if isinstance(r, FiberInfo) else -1)

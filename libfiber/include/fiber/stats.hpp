@@ -71,9 +71,10 @@ struct SchedulerStats {
 
 // The default scheduler's counters (starts it if needed).
 FIBER_API SchedulerStats stats();
-// Every live fiber of every scheduler: id, name, state, park reason, the processor it last ran
-// on and how long it has waited (to within a few milliseconds), one line each. Fibers spawned
-// and still queued, never run, are counted in one line ("N queued, not started yet"). Above the
+// The live fibers of every scheduler: id, name, state, park reason, the processor it last ran
+// on and how long it has waited (to within a few milliseconds), one line each for those that
+// have reached a cancellation point or switched away; the rest - still queued, or running since
+// they started - are counted in one line ("N queued or running, not listed yet"). Above the
 // fibers: how many processors are awake or searching, the fibers in the global queue, and one
 // line per processor (awake or asleep, fibers queued on it and in its LIFO slot, switches,
 // sleeps and wakeups, I/O in flight). A runnable fiber while every processor sleeps is a lost wakeup.

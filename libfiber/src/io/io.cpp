@@ -136,7 +136,10 @@ class FdGuard {
 
 // The checks every call makes first: -ECANCELED, -ETIMEDOUT, or 0 to go on.
 int precheck(const Fiber* f, const io::Deadline& dl) noexcept {
-  if (f != nullptr && cancel_requested(f)) return -ECANCELED;
+  if (f != nullptr) {
+    ensure_listed(f);  // an operation that never parks (data waiting) is a cancellation point too
+    if (cancel_requested(f)) return -ECANCELED;
+  }
   if (dl.expired()) return -ETIMEDOUT;
   return 0;
 }

@@ -8,6 +8,7 @@
 #include "io/raw.hpp"
 #include "io/socket.hpp"
 #include "sched/fiber.hpp"
+#include "sched/runtime.hpp"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -203,6 +204,7 @@ Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadlin
   };
   if (deadline.expired()) return fail(ETIMEDOUT, "the deadline passed");
   const detail::Fiber* self = detail::current_fiber();
+  if (self != nullptr) detail::ensure_listed(self);
   if (self != nullptr && self->cancel_requested.load(std::memory_order_acquire)) return fail(ECANCELED, "cancelled");
   auto lk = std::make_shared<Lookup>();
   lk->host = h;

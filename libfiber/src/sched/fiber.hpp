@@ -127,7 +127,10 @@ struct Fiber {
   uint16_t pin_depth = 0;
   static constexpr uint16_t kMaxUserPinDepth = 0xff00;  // PinGuard refuses to nest deeper
   static constexpr uint16_t kUnlisted = 0xffff;  // shards are processor slots: at most 1024
-  uint16_t reg_shard = kUnlisted;  // registry shard it is listed in, from its first run
+  // Registry shard it is listed in, from its first cancellation point or switch away
+  // (ensure_listed); kUnlisted before. Written by the fiber itself, read by it and its finish
+  // (and by the gdb extension, in a stopped process).
+  uint16_t reg_shard = kUnlisted;
   SanitizerStack san;  // here, not last: in release builds it fills what would be padding
   // ---- join: 0 (running, nobody waits), kJoinArming (a waiter has taken the record and is
   // writing it), kJoinWaiting (join_waiter() is armed), kJoinFinishing (complete_fiber has
@@ -152,7 +155,7 @@ struct Fiber {
   // For dumps (read racily by dump() and the gdb extension, hence a relaxed atomic):
   std::atomic<int64_t> parked_at_ns{0};  // coarse steady time of its last park
 
-  // Registry of started fibers (stop, dump): links guarded by the scheduler's registry lock.
+  // Registry of listed fibers (stop, dump): links guarded by the scheduler's registry lock.
   Fiber* reg_prev = nullptr;
   Fiber* reg_next = nullptr;
 

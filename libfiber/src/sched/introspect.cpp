@@ -159,11 +159,12 @@ void SchedulerImpl::dump(std::ostream& out) const {
                          f->parked_at_ns.load(std::memory_order_relaxed)});
   });
   const int64_t now = steady_now_ns();
-  // Fibers are listed from their first run: the rest of the live count is still queued (or
-  // has just finished, the two counts being read a moment apart).
+  // Fibers are listed from their first cancellation point or switch away: the rest of the live
+  // count is queued, or running since it started (or has just finished, the two counts being
+  // read a moment apart).
   const std::size_t shown = std::max(live, lines.size());
   out << "scheduler '" << name_ << "': " << shown << " live fibers, " << base_ << " processors\n";
-  if (shown > lines.size()) out << "  " << shown - lines.size() << " queued, not started yet\n";
+  if (shown > lines.size()) out << "  " << shown - lines.size() << " queued or running, not listed yet\n";
   // Where runnable fibers wait and who is awake to run them: what a lost wakeup looks like.
   const IdleCounts counts = idle_.counts();
   out << "  " << counts.unparked() << " of " << idle_.num_processors() << " processors awake, " << counts.searching()
@@ -185,7 +186,7 @@ void SchedulerImpl::dump(std::ostream& out) const {
       out << " on " << park_reason_name(l.reason);
       if (l.parked_at > 0) out << " for " << (now - l.parked_at) / 1'000'000 << " ms";
     }
-    if (l.processor >= 0) out << ", last on P" << l.processor; else out << ", not started";
+    if (l.processor >= 0) out << ", last on P" << l.processor;  // listed fibers have all run
     out << "\n";
   }
 }

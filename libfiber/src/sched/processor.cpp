@@ -332,14 +332,8 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
     return false;
   }
   f->task()->error = nullptr;  // a failed earlier attempt (run() retries from the loop) is moot
-  sched_.registry().add(f, index_);  // listed from its first run, where it will likely finish
-  // Queued when stop() began, so never listed for it to cancel: cancelled here, before its
-  // first blocking call can start anything (stop() cancels whatever it finds listed).
-  // It has not run, so it cannot be starting a wait: no fence (fiber_cancel_mark).
-  if (sched_.stopping()) [[unlikely]] {
-    fiber_cancel_mark(f);
-    fiber_cancel_claim(f);
-  }
+  // Not listed yet (ensure_listed): if stop() has begun, the fiber cancels itself at its first
+  // cancellation point or switch away.
   f->san.on_create(f->stack.lo, f->stack.size);
   fls_word(f) = nullptr;  // a recycled stack holds its last fiber's
   f->ctx = make_context(f->stack.top() - kStackTopReserve, f->stack.usable() - kStackTopReserve,
@@ -421,6 +415,7 @@ void Processor::yield_current(Processor* p) {
 void Processor::park_current(ParkReason why) noexcept {
   Processor* p = current_processor();
   Fiber* self = p->current();
+  ensure_listed(self);  // parked, stop() must find it (during stop(), this claims the wait)
   self->park_reason.store(why, std::memory_order_relaxed);
   self->parked_at_ns.store(p->coarse_now_ns(), std::memory_order_relaxed);
   bump(p->parks_[static_cast<std::size_t>(why)]);
@@ -439,6 +434,7 @@ void Processor::park_current(ParkReason why) noexcept {
 void Processor::move_current_to(Processor* home) noexcept {
   Processor* p = current_processor();
   Fiber* self = p->current();
+  ensure_listed(self);
   if (self->pin_depth++ == 0) self->pinned = home;
   if (self->pinned != home) [[unlikely]] {
     std::fprintf(stderr, "libfiber: broken invariant: fiber #%llu pinned elsewhere has I/O on another processor\n",
@@ -858,8 +854,9 @@ void unpark(Fiber* f) noexcept {
     // Still switching away on another thread: wait until that switch is complete, as a Go
     // waker waits on the channel lock the parker holds until then. A window is usually a few
     // hundred instructions (the primitive's own, a timer add, the cheap picks of
-    // find_work<true>, the switch); at worst a first run's stack allocation, a submission or
-    // a user lock's unlock(). It takes no lock that a waker holds while it wakes: wakers wake
+    // find_work<true>, the switch); at worst a first run's stack allocation, the fiber's own
+    // listing at its first park (a shard spinlock), a submission or a user lock's unlock().
+    // It takes no lock that a waker holds while it wakes: wakers wake
     // outside the primitives' locks (stop() too, outside the registry's), and those that wake
     // under one (io::close and fd_end, under a descriptor's slot lock) wake fibers already past
     // taking it.

@@ -680,6 +680,19 @@ void group_release(Group* g) noexcept { g->release(); }
 
 // ------------------------------------------------------------------------------ registry
 
+void list_self(const Fiber* running) noexcept {
+  Fiber* f = const_cast<Fiber*>(running);  // the caller is f: its registry fields are its own
+  f->sched->registry().add(f, current_processor()->index());
+  // Listed after stop() began: stop() may have walked our shard before (the shard lock orders
+  // its walk and our add; its stopping_ store precedes its walk), so cancel ourselves. On our
+  // own thread no wait of ours can be starting meanwhile: no fence (fiber_cancel_mark). A wait
+  // of ours already pending (park_current lists first) is claimed, and ends at once.
+  if (f->sched->stopping()) [[unlikely]] {
+    fiber_cancel_mark(f);
+    fiber_cancel_claim(f);
+  }
+}
+
 void Registry::add(Fiber* f, std::size_t shard) noexcept {
   Shard& s = shards_[shard];
   f->reg_shard = static_cast<uint16_t>(shard);  // below kUnlisted: at most 1024 slots
@@ -727,7 +740,9 @@ bool in_fiber() noexcept { return detail::current_fiber() != nullptr; }
 
 bool cancelled() noexcept {
   const detail::Fiber* f = detail::current_fiber();
-  return f != nullptr && f->cancel_requested.load(std::memory_order_acquire);
+  if (f == nullptr) return false;
+  detail::ensure_listed(f);  // a fiber polling in a loop that never parks: stop() must find it
+  return f->cancel_requested.load(std::memory_order_acquire);
 }
 
 static detail::Fiber& require_fiber(const char* what) {

@@ -197,12 +197,14 @@ void SchedulerImpl::stop() {
   if (stopped_.load(std::memory_order_acquire)) return;
   stopping_.store(true, std::memory_order_seq_cst);
   // Spawns from outside that passed their check before the store above: let them be counted
-  // (foreign_spawns_). They take microseconds; their fibers cancel themselves as they first run.
+  // (foreign_spawns_). They take microseconds; their fibers cancel themselves when they list
+  // themselves (list_self).
   while (foreign_spawns_.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
   // Cancel everything alive until nothing is: fibers spawned while unwinding get cancelled on
-  // a later round; queued ones, listed only once they start, cancel themselves as they first
-  // run (Processor::prepare_first_run, which lists before it looks at stopping(): either this
-  // loop finds it listed or it sees the flag). Backs off from 50 us to 5 ms between rounds.
+  // a later round. Fibers list themselves only at their first cancellation point or switch
+  // away (ensure_listed): one not listed yet, queued or running, cancels itself when it lists
+  // itself (list_self lists before it looks at stopping(): either this loop finds it listed or
+  // it sees the flag). Backs off from 50 us to 5 ms between rounds.
   auto pause = std::chrono::microseconds(50);
   while (live_fibers() != 0) {
     // One fence for the whole round, not one membarrier per fiber (fiber_cancel). Were it

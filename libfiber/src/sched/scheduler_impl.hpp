@@ -1,5 +1,5 @@
 // SchedulerImpl: the processors of one scheduler and what they share (injector, idle state,
-// registry of started fibers, the watchdog).
+// registry of listed fibers, the watchdog).
 //
 // Processor slots: `max_processors` slots exist from the start (the vector, the idle state's
 // per-id arrays and the registry shards are sized for them); the first `base_processors` hold
@@ -25,16 +25,20 @@
 
 namespace fiber::detail {
 
-// Fibers that have started and not finished, for stop() to cancel and dump() to list. A fiber
-// is listed by the processor that first runs it, in that processor's shard, so listing and
-// unlisting (usually on the same processor) meet no other thread's lock: listing at spawn put
-// a lock shared by the spawner and the finishers on every spawn. How many fibers are alive,
-// queued ones included, is SchedulerImpl::live_fibers().
+// Fibers that have reached a cancellation point or switched away and not finished, for stop()
+// to cancel and dump() to list. A fiber lists itself then (ensure_listed), in the shard of the
+// processor it runs on, so listing and unlisting (usually on the same processor) meet no other
+// thread's lock: listing at spawn put a lock shared by the spawner and the finishers on every
+// spawn, and listing at the first run a lock on every fiber, though most finish without ever
+// switching away. How many fibers are alive, queued and running ones included, is
+// SchedulerImpl::live_fibers().
 class Registry {
  public:
   explicit Registry(std::size_t shards) : shards_(shards) {}
   void add(Fiber* f, std::size_t shard) noexcept;
-  void remove(Fiber* f) noexcept;  // a fiber never listed (it never ran) is left alone
+  // A fiber never listed is left alone. reg_shard stays set: a finishing fiber is never listed
+  // again (its complete_fiber may still pass a cancellation point).
+  void remove(Fiber* f) noexcept;
   // Calls fn(Fiber*) for every listed fiber, one shard lock at a time.
   template <typename Fn>
   void for_each(Fn&& fn) {
