@@ -92,7 +92,7 @@ reject() {  # reject WHAT FILE SECTION ERE: no line of SECTION matches ERE
 check_output() {  # check_output WHAT FILE
   local what=$1 f=$2
   expect "$what" "$f" info "^Scheduler 'gdbtest' \(0x[0-9a-f]+\): 5 live fibers, 2 processors$"
-  expect "$what" "$f" info "^  1 queued or running, not listed yet$"
+  expect "$what" "$f" info "^  1 queued, not started yet$"
   expect "$what" "$f" info "^ +Id +Name +State +Reason +Last P$"
   expect "$what" "$f" info "^ +$ALPHA +alpha-waiter +parked +channel +[01]$"
   expect "$what" "$f" info "^ +$BETA +beta-sleeper +parked +sleep +[01]$"

@@ -2,8 +2,9 @@
 // 1, 2, 4 and 8 processors.
 //
 // stop() may return only once every fiber has finished. It learns that from live_fibers(),
-// which sums per-processor spawn and finish counters, and it can cancel only the fibers that
-// have started (queued ones cancel themselves as they first run). Here every fiber counts
+// which sums per-processor spawn and finish counters, and it can cancel only the listed fibers
+// (a fiber lists itself at its first cancellation point or switch away; one listed after stop()
+// began cancels itself). Here every fiber counts
 // itself as it ends, and its spawner counts it before spawning: a stop() that returned early
 // would leave the two counts apart (or shut a processor down under a queued fiber). Each
 // fiber yields in a loop until cancelled, spawning a child on every turn while the round's

@@ -1,5 +1,6 @@
 // fiber::stats / Scheduler::stats and fiber::dump (fiber/stats.hpp): counters move as a known
-// workload says they must; the dump lists every started fiber and counts queued ones.
+// workload says they must; the dump lists the listed fibers and counts the rest (queued, or
+// running and not listed yet).
 #include <doctest/doctest.h>
 #include <fiber/fiber.hpp>
 

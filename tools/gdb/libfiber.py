@@ -14,9 +14,8 @@
 #   index into SchedulerImpl::processors_), ctx, stack, reg_shard}; Processor::{index_, tid_,
 #   current_, loop_}. A fiber is listed from its first cancellation point or switch away to its
 #   end; a processor's running fiber is shown whether listed or not. The rest - spawned and still
-#   queued (no stack or frames yet), or running without having been listed - is only counted
-#   (from the processors' spawned_/finished_ and the scheduler's foreign_spawned_, as
-#   live_fibers() does).
+#   queued, with no stack or frames yet - is only counted (from the processors' spawned_ and
+#   finished_ and the scheduler's foreign_spawned_, as live_fibers() does).
 #
 # `fiber bt` works on core files as well as on live processes because it changes nothing in the
 # inferior: a Python unwinder (FiberUnwinder) takes over the unwinding of the selected thread's
@@ -182,8 +181,7 @@ def fibers(sched):
             n += 1
             f = f["reg_next"]
     try:
-        slots = int(_atomic(sched["slots_"]))
-        procs = [_unique_ptr(u) for u in _vector(sched["processors_"])][:slots]
+        procs = _processors(sched)
     except (gdb.error, gdb.MemoryError):
         return
     for p in procs:
@@ -218,12 +216,17 @@ def _unique_ptr(u):
     return p
 
 
+def _processors(sched):
+    """The Processor* of the scheduler's slots in use (null where one was never made)."""
+    slots = int(_atomic(sched["slots_"]))
+    return [_unique_ptr(u) for u in _vector(sched["processors_"])][:slots]
+
+
 def live_count(sched):
     """Fibers spawned and not finished, queued ones included, from the processors' counters as
     SchedulerImpl::live_fibers() reads them; None if they cannot be read."""
     try:
-        slots = int(_atomic(sched["slots_"]))
-        procs = [_unique_ptr(u) for u in _vector(sched["processors_"])][:slots]
+        procs = _processors(sched)
         finished = sum(int(_atomic(p["finished_"])) for p in procs if int(p))
         spawned = int(_atomic(sched["foreign_spawned_"])) + sum(int(_atomic(p["spawned_"])) for p in procs if int(p))
         return max(spawned - finished, 0)
@@ -332,8 +335,8 @@ Usage: info fibers
 
 For each scheduler (newest first), one line per listed fiber (one that has reached a
 cancellation point or switched away) and per running one: its id, name, state, park reason
-(for a parked fiber) and the index of the processor that last ran it ("-": not started). The
-rest, still queued, are counted in one line.
+(for a parked fiber) and the index of the processor that last ran it. The rest, still queued,
+are counted in one line.
 A running fiber also names the gdb thread of its processor. Works on live processes and core
 files. `fiber bt ID` prints the backtrace of one that is not running."""
 
@@ -359,7 +362,7 @@ files. `fiber bt ID` prints the backtrace of one that is not running."""
                       % (_std_string(sched["name_"]), s.format_string(raw=True, symbols=False),
                          live, int(sched["base_"])))
             if live > len(rows):
-                gdb.write("  %d queued or running, not listed yet\n" % (live - len(rows)))
+                gdb.write("  %d queued, not started yet\n" % (live - len(rows)))
             if not rows:
                 continue
             rows.sort(key=lambda r: r.id if isinstance(r, FiberInfo) else -1)

@@ -140,8 +140,9 @@ class FIBER_API Scheduler {
   std::size_t live_fibers() const noexcept;
   // Counters of this scheduler and its processors (see fiber/stats.hpp).
   SchedulerStats stats() const;
-  // This scheduler's live fibers, one line each for those that have started (a queued one,
-  // not yet run, is only counted), and its processors' states; see fiber::dump for all schedulers.
+  // This scheduler's live fibers, one line each for those that have reached a cancellation point
+  // or switched away (the rest, queued or running since they started, are only counted), and
+  // its processors' states; see fiber::dump for all schedulers.
   void dump(std::ostream& out) const;
 
   // The process-wide default scheduler, started on first use. It is never destroyed.

@@ -204,8 +204,10 @@ Result<std::vector<Address>> resolve_all(std::string_view host_port, io::Deadlin
   };
   if (deadline.expired()) return fail(ETIMEDOUT, "the deadline passed");
   const detail::Fiber* self = detail::current_fiber();
-  if (self != nullptr) detail::ensure_listed(self);
-  if (self != nullptr && self->cancel_requested.load(std::memory_order_acquire)) return fail(ECANCELED, "cancelled");
+  if (self != nullptr) {
+    detail::ensure_listed(self);
+    if (self->cancel_requested.load(std::memory_order_acquire)) return fail(ECANCELED, "cancelled");
+  }
   auto lk = std::make_shared<Lookup>();
   lk->host = h;
   if (self == nullptr && deadline.is_none()) {

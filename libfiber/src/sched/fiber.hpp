@@ -109,8 +109,9 @@ struct Fiber {
   bool is_loop : 1 = false;   // a processor's own thread stack, not a real fiber
   bool has_task : 1 = false;  // task() is constructed: from fiber_submit until destroy_fiber
   bool joinable : 1 = false;  // a JoinHandle's wait record follows the Fiber (join_waiter())
-  // Intrusive link: a processor's inbox or pinned queue, or the injector's spill list (a fiber
-  // is in one of them at most). Owned by the holder.
+  // Intrusive link: a processor's inbox or pinned queue, or the injector's spill list; or,
+  // claimed and not woken yet, a processor's deferred wakes or stop()'s chain (a fiber is in
+  // one of them at most). Owned by the holder.
   Fiber* next = nullptr;
   Processor* pinned = nullptr;  // resumed only on this processor (PinGuard); owner-written
   Stack stack;  // empty until first run; written only while the fiber does not run

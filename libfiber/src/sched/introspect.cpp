@@ -186,7 +186,7 @@ void SchedulerImpl::dump(std::ostream& out) const {
       out << " on " << park_reason_name(l.reason);
       if (l.parked_at > 0) out << " for " << (now - l.parked_at) / 1'000'000 << " ms";
     }
-    if (l.processor >= 0) out << ", last on P" << l.processor;  // listed fibers have all run
+    if (l.processor >= 0) out << ", last on P" << l.processor;  // always, for a listed fiber (a racy read)
     out << "\n";
   }
 }

@@ -282,8 +282,13 @@ void Processor::publish_parked(Fiber* f) noexcept {
 }
 
 void Processor::wake_deferred_now() noexcept {
-  while (Fiber* f = deferred_wakes_) {
-    deferred_wakes_ = f->next;
+  Fiber* chain = std::exchange(deferred_wakes_, nullptr);
+  unpark_chain(chain);
+}
+
+void unpark_chain(Fiber* head) noexcept {
+  while (Fiber* f = head) {
+    head = f->next;
     f->next = nullptr;
     unpark(f);
   }
@@ -659,7 +664,7 @@ bool Processor::maintenance() noexcept {
 template <bool kParking>
 [[gnu::always_inline]] inline Fiber* Processor::find_work() noexcept {
   const uint32_t tick = tick_ + 1;
-  const bool routine = (tick & (kEventInterval - 1)) != 0 && tick - last_injector_tick_ < kGlobalInterval && !searching_;
+  const bool routine = (tick & (kEventInterval - 1)) != 0 && !injector_due(tick) && !searching_;
   if constexpr (kParking) {
     if (!routine) [[unlikely]] return nullptr;
   }
@@ -835,16 +840,18 @@ void unpark(Fiber* f) noexcept {
   if (s == FiberState::Parking) [[unlikely]] {
     Fiber* self = current_fiber();
     if (f == self) {
-      // Woken in its own window (a wait it claimed itself, say): park_current does not switch,
-      // or the context it switched to enqueues it. Nobody else writes a Parking fiber's state.
+      // Woken in its own window (cancelling itself as it lists itself during stop(), or reaping
+      // its own completion while it submits to a full ring): park_current does not switch, or
+      // the context it switched to enqueues it. Nobody else writes a Parking fiber's state.
       f->state.store(FiberState::Notified, std::memory_order_relaxed);
       return;
     }
     if (self != nullptr) {
       // In a window of our own (user code in a CondVar wait, unlocking its lock): f's window
       // could be waiting for ours. Woken when ours has ended (every way a window ends drains
-      // the list). Not when finishing (Finished, waking a joiner or a group's waiter): then
-      // nothing waits for us, and no drain would follow.
+      // the list). Not otherwise: a fiber that is Running, or Finished and settling its group
+      // on its way out, has no window, so nothing waits for it (and a Finished one would never
+      // drain the list).
       const FiberState mine = self->state.load(std::memory_order_relaxed);
       if (mine == FiberState::Parking || mine == FiberState::Notified) {
         current_processor()->defer_wake(f);
@@ -856,10 +863,9 @@ void unpark(Fiber* f) noexcept {
     // hundred instructions (the primitive's own, a timer add, the cheap picks of
     // find_work<true>, the switch); at worst a first run's stack allocation, the fiber's own
     // listing at its first park (a shard spinlock), a submission or a user lock's unlock().
-    // It takes no lock that a waker holds while it wakes: wakers wake
-    // outside the primitives' locks (stop() too, outside the registry's), and those that wake
-    // under one (io::close and fd_end, under a descriptor's slot lock) wake fibers already past
-    // taking it.
+    // It takes no lock that a waker holds while it wakes: wakers wake outside the primitives'
+    // locks (stop() too, outside the registry's), and those that wake under one (io::close and
+    // fd_end, under a descriptor's slot lock) wake fibers already past taking it.
     for (int spins = 0; (s = f->state.load(std::memory_order_acquire)) == FiberState::Parking; ++spins) {
       if (spins < 128) {
         __builtin_ia32_pause();

@@ -252,7 +252,8 @@ class Processor {
     return f;
   }
   // kGlobalInterval picks have passed since next_local() last read the injector first.
-  bool injector_due() const noexcept { return tick_ - last_injector_tick_ >= kGlobalInterval; }
+  bool injector_due(uint32_t tick) const noexcept { return tick - last_injector_tick_ >= kGlobalInterval; }
+  bool injector_due() const noexcept { return injector_due(tick_); }
   Fiber* steal_work() noexcept;
   Fiber* refill_from_injector() noexcept;
   void found_work_while_searching(bool elsewhere) noexcept;
@@ -293,7 +294,10 @@ class Processor {
   uint32_t last_injector_tick_ = 0;  // tick_ when next_local() last read the injector first
   uint32_t lifo_in_a_row_ = 0;
   uint32_t yielded_due_ = 0;  // the tick from which the yield slot's fiber goes before the queue
-  Fiber* deferred_wakes_ = nullptr;  // defer_wake(), linked through Fiber::next
+  // defer_wake(), linked through Fiber::next. Owner thread only; empty whenever no window is
+  // open on this processor (drained by publish_parked, park_current's no-switch path,
+  // waiter_abandon's and fiber_wait's own claims).
+  Fiber* deferred_wakes_ = nullptr;
   // Runnable fibers pinned to this processor (yielded, woken here, back from the inbox), in
   // order, linked through Fiber::next. In the ring a thief would take one, find it pinned
   // elsewhere and send it back through the inbox: a wake, a steal and a locked push for
@@ -353,5 +357,7 @@ class Processor {
 
 // Makes a parked fiber runnable (after its wait was claimed). Any thread.
 void unpark(Fiber* f) noexcept;
+// unpark() for each fiber of a chain linked through Fiber::next (claimed fibers, in no queue).
+void unpark_chain(Fiber* head) noexcept;
 
 }  // namespace fiber::detail

@@ -695,12 +695,13 @@ void list_self(const Fiber* running) noexcept {
 
 void Registry::add(Fiber* f, std::size_t shard) noexcept {
   Shard& s = shards_[shard];
-  f->reg_shard = static_cast<uint16_t>(shard);  // below kUnlisted: at most 1024 slots
   std::lock_guard lock(s.mu);
   f->reg_prev = nullptr;
   f->reg_next = s.head;
   if (s.head) s.head->reg_prev = f;
   s.head = f;
+  // Once linked: a core dumped in between shows the running fiber as unlisted (gdb shows it).
+  f->reg_shard = static_cast<uint16_t>(shard);  // below kUnlisted: at most 1024 slots
 }
 
 void Registry::remove(Fiber* f) noexcept {

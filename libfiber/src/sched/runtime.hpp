@@ -25,12 +25,13 @@ void drop_fiber_ref(Fiber* f) noexcept;
 // (ensure_listed), not when it starts: one that runs to its end without either - a spawn
 // benchmark's, a skynet leaf's - never takes the shard lock (spawn: 64 -> 58 ns per fiber).
 // Listed once stop() has begun, it cancels itself, as stop() would have.
-void list_self(const Fiber* f) noexcept;
+void list_self(const Fiber* running) noexcept;
 inline void ensure_listed(const Fiber* f) noexcept {
   if (f->reg_shard == Fiber::kUnlisted) [[unlikely]] list_self(f);
 }
-// Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding). The bit test is
-// inline: yield calls this on every switch.
+// Throws fiber::Cancelled if `f` was cancelled (and is not already unwinding); lists `f` first,
+// being a cancellation point, so `f` must be the caller. The bit test is inline: yield calls
+// this on every switch.
 void throw_cancelled_unless_unwinding();
 inline void throw_if_cancelled(const Fiber* f) {
   ensure_listed(f);
@@ -57,8 +58,9 @@ void fiber_cancel_mark(Fiber* f) noexcept;
 bool fiber_cancel_fence() noexcept;  // false: membarrier refused; claim again later (stop: next round)
 void fiber_cancel_claim(Fiber* f) noexcept;
 // fiber_cancel_claim without the wake: true if it claimed the fiber's wait, which the caller
-// must then unpark. For callers that hold a lock: unpark may wait for a parking fiber to finish
-// its switch, which may need that lock (stop(): a registry shard's).
+// must then unpark. For callers that hold a lock a window may take: unpark may wait for a
+// parking fiber to finish its switch (stop(): a registry shard's, which a fiber takes when it
+// lists itself at its first park).
 [[nodiscard]] bool fiber_cancel_try_claim(Fiber* f) noexcept;
 // Ends a prepared wait that will not be waited for. A cancel or close may have claimed it
 // meanwhile; then this returns once their unpark has landed.

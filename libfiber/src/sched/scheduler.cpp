@@ -212,20 +212,17 @@ void SchedulerImpl::stop() {
     registry_.for_each([](Fiber* f) { fiber_cancel_mark(f); });
     (void)fiber_cancel_fence();
     // Claimed under the shard locks, woken after them: a wake may wait for a fiber still
-    // switching away (unpark), whose processor may be about to list a fiber in that shard. A
-    // claimed fiber cannot resume until woken, so it stays listed and alive, and its queue
-    // link is free (only the claimer enqueues it): the claimed are chained through it.
+    // switching away (unpark), and no waker may wait holding a lock a window can take (a
+    // fiber's window takes a shard lock when it lists itself at its first park). A claimed
+    // fiber cannot resume until woken, so it stays listed and alive, and its queue link is
+    // free (only the claimer enqueues it): the claimed are chained through it.
     Fiber* claimed = nullptr;
     registry_.for_each([&claimed](Fiber* f) {
       if (!fiber_cancel_try_claim(f)) return;
       f->next = claimed;
       claimed = f;
     });
-    while (Fiber* f = claimed) {
-      claimed = f->next;
-      f->next = nullptr;
-      unpark(f);
-    }
+    unpark_chain(claimed);
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));
   }

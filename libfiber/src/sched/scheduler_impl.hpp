@@ -36,8 +36,8 @@ class Registry {
  public:
   explicit Registry(std::size_t shards) : shards_(shards) {}
   void add(Fiber* f, std::size_t shard) noexcept;
-  // A fiber never listed is left alone. reg_shard stays set: a finishing fiber is never listed
-  // again (its complete_fiber may still pass a cancellation point).
+  // A fiber never listed is left alone. Nothing after leave_scheduler may reach ensure_listed:
+  // a fiber never listed would list itself there, and be freed while listed.
   void remove(Fiber* f) noexcept;
   // Calls fn(Fiber*) for every listed fiber, one shard lock at a time.
   template <typename Fn>
