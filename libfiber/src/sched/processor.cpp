@@ -846,17 +846,15 @@ void unpark(Fiber* f) noexcept {
       f->state.store(FiberState::Notified, std::memory_order_relaxed);
       return;
     }
-    if (self != nullptr) {
-      // In a window of our own (user code in a CondVar wait, unlocking its lock): f's window
-      // could be waiting for ours. Woken when ours has ended (every way a window ends drains
-      // the list). Not otherwise: a fiber that is Running, or Finished and settling its group
-      // on its way out, has no window, so nothing waits for it (and a Finished one would never
-      // drain the list).
-      const FiberState mine = self->state.load(std::memory_order_relaxed);
-      if (mine == FiberState::Parking || mine == FiberState::Notified) {
-        current_processor()->defer_wake(f);
-        return;
-      }
+    // In a window of our own (user code in a CondVar wait, unlocking its lock): f's window
+    // could be waiting for ours. Woken when ours has ended (every way a window ends drains the
+    // list). Not otherwise: a fiber that is Running, or Finished and settling its group on its
+    // way out, has no window, so nothing waits for it (and a Finished one would never drain
+    // the list); nor the loop or a plain thread.
+    const FiberState mine = self != nullptr ? self->state.load(std::memory_order_relaxed) : FiberState::Running;
+    if (mine == FiberState::Parking || mine == FiberState::Notified) {
+      current_processor()->defer_wake(f);
+      return;
     }
     // Still switching away on another thread: wait until that switch is complete, as a Go
     // waker waits on the channel lock the parker holds until then. A window is usually a few
@@ -866,13 +864,7 @@ void unpark(Fiber* f) noexcept {
     // It takes no lock that a waker holds while it wakes: wakers wake outside the primitives'
     // locks (stop() too, outside the registry's), and those that wake under one (io::close and
     // fd_end, under a descriptor's slot lock) wake fibers already past taking it.
-    for (int spins = 0; (s = f->state.load(std::memory_order_acquire)) == FiberState::Parking; ++spins) {
-      if (spins < 128) {
-        __builtin_ia32_pause();
-      } else {
-        sched_yield();
-      }
-    }
+    spin_until([f, &s] { return (s = f->state.load(std::memory_order_acquire)) != FiberState::Parking; });
   }
   // A store, not a CAS: a parked fiber's one waker is the one that claimed its wait (us), and
   // the fiber itself cannot move until we enqueue it.

@@ -458,13 +458,7 @@ void fiber_join(Fiber* f) {
 // instructions from kJoinFinished, with no switch in between. Waits them out, so that a wait
 // that says "finished" means counted finished too (live_fibers()).
 static void wait_out_finishing(const Fiber* f) noexcept {
-  for (int spins = 0; f->join_word.load(std::memory_order_acquire) == Fiber::kJoinFinishing; ++spins) {
-    if (spins < 64) {
-      __builtin_ia32_pause();
-    } else {
-      std::this_thread::yield();  // its thread was preempted there
-    }
-  }
+  spin_until([f] { return f->join_word.load(std::memory_order_acquire) != Fiber::kJoinFinishing; });
 }
 
 bool fiber_wait_until(Fiber* f, int64_t deadline_ns, const char* what) {

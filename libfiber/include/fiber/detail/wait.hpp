@@ -149,21 +149,26 @@ Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcep
   }
 }
 
+// Waits until done() for something another thread finishes in a few instructions: spins
+// briefly; past that the thread was probably preempted (more threads than cores), so gives it
+// the CPU rather than burn our time slice.
+template <typename Done>
+void spin_until(Done done) noexcept {
+  for (int spins = 0; !done(); ++spins) {
+    if (spins < 128) {
+      __builtin_ia32_pause();
+    } else {
+      sched_yield();
+    }
+  }
+}
+
 // A tiny spinlock for wait-queue state: held for a few instructions, never across a switch.
 class SpinLock {
  public:
   void lock() noexcept {
-    for (;;) {
-      if (!locked_.exchange(true, std::memory_order_acquire)) return;
-      // Spin briefly; past that the holder was probably preempted (more threads than cores):
-      // give it the CPU rather than burn our time slice.
-      for (int spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
-        if (spins < 128) {
-          __builtin_ia32_pause();
-        } else {
-          sched_yield();
-        }
-      }
+    while (locked_.exchange(true, std::memory_order_acquire)) {
+      spin_until([this] { return !locked_.load(std::memory_order_relaxed); });
     }
   }
   bool try_lock() noexcept {
