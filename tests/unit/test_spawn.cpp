@@ -868,8 +868,14 @@ TEST_CASE("spawn: a local queue's overflow loses no fiber when the global queue 
     // (the check after the body wants none live).
     fiber::block_on({.scheduler = &s}, [&] {
       fiber::detail::Injector::refuse_segments.store(1'000'000);
+      // Spawn records and control blocks (a named `go` takes the ordinary path) alternate on
+      // the spill list, each linked through its own word (queue_link).
       for (int i = 0; i < kFibers; ++i) {
-        go [&] { ran.fetch_add(1); };
+        if (i % 2 == 0) {
+          go [&] { ran.fetch_add(1); };
+        } else {
+          go go_name("spilled")[&] { ran.fetch_add(1); };
+        }
       }
       // Each overflow asked for a segment and was refused: the fibers went to the spill list.
       refused = 1'000'000 - fiber::detail::Injector::refuse_segments.exchange(0);
@@ -885,7 +891,7 @@ namespace {
 // A callable carrying `Bytes` bytes of pattern, counting its live copies, and checking its bytes
 // when it runs: the capture must arrive whole whichever control-block size it lands in. When it
 // runs it also records which size that was (Fiber::block_class).
-template <std::size_t Bytes>
+template <std::size_t Bytes, bool kNothrowMove = false>
 struct Payload {
   static_assert(Bytes >= 16 && Bytes % 8 == 0);
   std::atomic<int>* live;
@@ -898,6 +904,9 @@ struct Payload {
     std::memcpy(bytes, o.bytes, sizeof bytes);
     ++*live;
   }
+  // Only a copy, but kNothrowMove says it cannot throw: a `go` from a fiber may then queue it
+  // in a spawn record (fiber/detail/task.hpp, PendingTask), which moves it once more.
+  Payload(Payload&& o) noexcept(kNothrowMove) : Payload(static_cast<const Payload&>(o)) {}
   ~Payload() { --*live; }
   long operator()() const {
     for (std::size_t i = 0; i < sizeof bytes; ++i) {
@@ -981,6 +990,73 @@ TEST_CASE("spawn: callables of every size run with their captures whole, in the 
     // Each callable goes as soon as its fiber returns; the detached ones may still be on their
     // way out when wg.wait() returns, so wait for the count.
     CHECK(wait_for([&] { return live.load() == 0; }));
+  });
+}
+
+namespace {
+// From a fiber, `go`s each capturing a Payload<Bytes> that moves without throwing and two
+// pointers, `n` times; returns how many arrived whole (each fiber counts itself either way).
+template <std::size_t Bytes>
+long go_movable(std::atomic<int>& live, long n) {
+  std::atomic<long> whole{0};
+  fiber::WaitGroup wg;
+  wg.add(n);
+  for (long i = 0; i < n; ++i) {
+    go [p = Payload<Bytes, true>(&live), &whole, &wg] {
+      if (p() == static_cast<long>(Bytes)) whole.fetch_add(1);
+      wg.done();
+    };
+  }
+  wg.wait();
+  return whole.load();
+}
+}  // namespace
+
+TEST_CASE("go from a fiber: small callables queued as spawn records run once, whole, and are destroyed once") {
+  // A `go` from a fiber of the target scheduler, with no name or stack size and a callable that
+  // moves without throwing in at most 40 bytes, queues a 32- or 64-byte record; the processor
+  // that first picks it moves the callable into a control block (sched/runtime.cpp,
+  // start_spawn_record). Sizes on each side of the boundaries (the lambda is the payload and two
+  // pointers): 32 (a 64-byte record), 40 (one exactly full), 48 (the ordinary path). Enough of
+  // each to overflow the ring into the injector. (Records on the injector's spill list: "a
+  // local queue's overflow loses no fiber when the global queue cannot grow".)
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    std::atomic<int> live{0};
+    fiber::block_on({.scheduler = &s}, [&] {
+      constexpr long kN = 3000;
+      CHECK(go_movable<16>(live, kN) == kN);
+      CHECK(go_movable<24>(live, kN) == kN);
+      CHECK(go_movable<32>(live, kN) == kN);
+      // The smallest, a 32-byte record: one pointer.
+      std::atomic<long> ran{0};
+      for (long i = 0; i < kN; ++i) {
+        go [&ran] { ran.fetch_add(1); };
+      }
+      CHECK(wait_for([&] { return ran.load() == kN; }));
+    });
+    // Moved into its control block, the moved-from copy destroyed there, the callable destroyed
+    // when it returns: no copy left over, none destroyed twice.
+    CHECK(wait_for([&] { return live.load() == 0; }));
+  });
+}
+
+TEST_CASE("go from a fiber: an exception escaping a fiber started from a spawn record is reported with its id") {
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    HandlerScope scope;
+    std::atomic<unsigned long long> id{0};
+    fiber::block_on({.scheduler = &s}, [&id] {
+      go [&id] {
+        id = fiber::this_fiber::id();
+        throw TaggedError(9);
+      };
+    });
+    quiesce(s);
+    auto r = take_reports();
+    REQUIRE(r.size() == 1);
+    CHECK(id.load() != 0);
+    CHECK(r[0].id == id.load());
+    CHECK(r[0].name == "");
+    CHECK(r[0].message == "tagged error 9");
   });
 }
 

@@ -42,8 +42,8 @@ class SchedulerImpl;
 class Group;
 
 // Where a control block's memory came from (runtime.cpp): a slot of 160, 192, 256 or 384 bytes,
-// or malloc for bigger ones.
-enum BlockClass : uint8_t { kMallocBlock, kSlot160, kSlot192, kSlot256, kSlot384 };
+// or malloc for bigger ones. Spawn records (below) are slots of 32 or 64 bytes.
+enum BlockClass : uint8_t { kMallocBlock, kSlot160, kSlot192, kSlot256, kSlot384, kSlot32, kSlot64 };
 
 enum class FiberState : uint8_t { Created, Runnable, Running, Parking, Parked, Notified, Finished };
 const char* fiber_state_name(FiberState s) noexcept;
@@ -222,6 +222,33 @@ inline void*& fls_word(Fiber* f) noexcept {
 // The current processor and fiber of this thread. Read through these non-inlined accessors
 // only: a fiber may resume on another thread after any switch, and the compiler may otherwise
 // keep a thread_local's address cached across the call that switched (invariant 3).
+// A `go` fiber not started yet (task.hpp, PendingTask): the spawner's group and the callable,
+// in a 32- or 64-byte slot. Queues (LIFO slot, ring, injector) hold it as a tagged Fiber*: bit 0
+// says "record", bit 1 "64-byte slot" (slots are 32-byte aligned). Nothing reads a queue entry
+// as a Fiber before the processor that picks it has started it (start_spawn_record), except
+// through these helpers: queue_back's pinned check, and the injector's spill link.
+struct SpawnRecord {
+  Fiber* next;  // the injector's spill link, as Fiber::next (queue_link)
+  Group* group;
+  static constexpr std::size_t kTaskOffset = 16;
+  PendingTask* task() noexcept { return std::launder(reinterpret_cast<PendingTask*>(reinterpret_cast<char*>(this) + kTaskOffset)); }
+};
+inline bool is_spawn_record(const Fiber* f) noexcept { return (reinterpret_cast<uintptr_t>(f) & 1) != 0; }
+inline Fiber* tag_spawn_record(SpawnRecord* r, bool big) noexcept {
+  return reinterpret_cast<Fiber*>(reinterpret_cast<uintptr_t>(r) | 1 | (big ? 2 : 0));
+}
+inline SpawnRecord* spawn_record_of(Fiber* f) noexcept {
+  return reinterpret_cast<SpawnRecord*>(reinterpret_cast<uintptr_t>(f) & ~uintptr_t{3});
+}
+inline BlockClass spawn_record_class(const Fiber* f) noexcept {
+  return (reinterpret_cast<uintptr_t>(f) & 2) != 0 ? kSlot64 : kSlot32;
+}
+// The intrusive link of a queue entry, fiber or record.
+inline Fiber*& queue_link(Fiber* f) noexcept { return is_spawn_record(f) ? spawn_record_of(f)->next : f->next; }
+// Starts a record taken from a queue by `p`, its owner thread: a Runnable fiber of p's scheduler
+// that has never run, holding the record's callable; the record is freed.
+Fiber* start_spawn_record(Fiber* tagged, Processor& p) noexcept;
+
 Processor* current_processor() noexcept;
 Fiber* current_fiber() noexcept;
 void set_current_processor(Processor* p) noexcept;

@@ -12,7 +12,8 @@
 // of five interleaved runs: 66.9 -> 59.9 ns per fiber).
 //
 // Pushes cannot fail (they are noexcept: a wake has nowhere to report an error). When no segment
-// can be had (out of memory), fibers are linked through Fiber::next on a spill list instead,
+// can be had (out of memory), fibers are linked through Fiber::next (a spawn record's own link,
+// queue_link) on a spill list instead,
 // Tokio's way, which needs no memory. Order stays FIFO: while the spill list is not empty every
 // push goes there, and pops drain the segments first, so the segments only ever hold fibers
 // older than the spill list's.
@@ -65,8 +66,8 @@ class Injector {
     std::size_t i = spill_head_ == nullptr ? push_segments(fibers, n) : 0;
     for (; i < n; ++i) {
       Fiber* f = fibers[i];
-      f->next = nullptr;
-      if (spill_tail_ != nullptr) spill_tail_->next = f; else spill_head_ = f;
+      queue_link(f) = nullptr;  // a fiber's or a spawn record's (fiber.hpp)
+      if (spill_tail_ != nullptr) queue_link(spill_tail_) = f; else spill_head_ = f;
       spill_tail_ = f;
     }
     len_.store(len_.load(std::memory_order_relaxed) + n, std::memory_order_seq_cst);  // see empty()
@@ -94,8 +95,8 @@ class Injector {
       }
       for (; n < max && spill_head_ != nullptr; ++n) {
         Fiber* f = spill_head_;
-        spill_head_ = f->next;
-        f->next = nullptr;
+        spill_head_ = queue_link(f);
+        queue_link(f) = nullptr;
         out[n] = f;
       }
       if (spill_head_ == nullptr) spill_tail_ = nullptr;

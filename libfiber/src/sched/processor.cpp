@@ -347,6 +347,7 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
 }
 
 void Processor::run(Fiber* f) noexcept {
+  if (is_spawn_record(f)) f = start_spawn_record(f, *this);
   if (f->pinned != nullptr && f->pinned != this) {
     f->pinned->push_inbox(f);
     return;
@@ -385,6 +386,7 @@ template <bool kParking>
   for (;;) {
     Fiber* next = find_work<kParking>();
     if (next == nullptr) return nullptr;
+    if (is_spawn_record(next)) next = start_spawn_record(next, *this);
     if (next->pinned != nullptr && next->pinned != this) [[unlikely]] {
       next->pinned->push_inbox(next);
       continue;
@@ -481,7 +483,7 @@ void Processor::settle_group_debt_now() noexcept {
 }
 
 inline bool Processor::queue_back(Fiber* f) noexcept {
-  if (f->pinned == this) [[unlikely]] {
+  if (!is_spawn_record(f) && f->pinned == this) [[unlikely]] {
     f->next = nullptr;
     if (pinned_tail_) pinned_tail_->next = f; else pinned_head_ = f;
     pinned_tail_ = f;

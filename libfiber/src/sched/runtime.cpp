@@ -22,6 +22,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "fiber/block_on.hpp"
 #include "fiber/error.hpp"
@@ -85,7 +86,7 @@ void report_if_unobserved(Fiber* f) noexcept {
 
 
 // Control blocks (Fiber, join record, task) of up to 384 bytes are slots carved from slabs, in
-// four sizes (BlockClass). Freed slots go to a per-thread cache of their size, which hands
+// four sizes (BlockClass); spawn records (fiber.hpp), in two more, 32 and 64 bytes. Freed slots go to a per-thread cache of their size, which hands
 // batches of kSpill slots to a global list (one lock per kSpill slots) and takes them back from
 // it. So a fiber costs two list operations, whether fibers churn (spawn, run, finish) or a
 // million are alive at once; slabs are kept for reuse, never given back (like stacks, see
@@ -255,6 +256,8 @@ __attribute__((tls_model("initial-exec"))) thread_local SlotCache<160> t_slots16
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache<192> t_slots192;
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache<256> t_slots256;
 __attribute__((tls_model("initial-exec"))) thread_local SlotCache<384> t_slots384;
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<32> t_slots32;  // spawn records
+__attribute__((tls_model("initial-exec"))) thread_local SlotCache<64> t_slots64;
 
 BlockClass block_class_for(std::size_t size) noexcept {
   if (size <= 160) return kSlot160;
@@ -269,6 +272,8 @@ decltype(auto) with_slot_cache(BlockClass c, Fn&& fn) {
   if (c == kSlot160) return fn(t_slots160);
   if (c == kSlot192) return fn(t_slots192);
   if (c == kSlot256) return fn(t_slots256);
+  if (c == kSlot32) return fn(t_slots32);
+  if (c == kSlot64) return fn(t_slots64);
   return fn(t_slots384);
 }
 
@@ -354,6 +359,61 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
   f->group = req.group ? req.group : (cur ? cur->group : nullptr);
   f->name = name.release();
   *task_storage = static_cast<char*>(mem) + off;
+  return f;
+}
+
+void* go_record_create(const SpawnOptions& options, std::size_t size) {
+  Processor* p = current_processor();
+  if (p == nullptr || !options.name.empty() || options.stack_size != 0) return nullptr;
+  if (&target_scheduler(options, current_fiber()) != &p->sched()) return nullptr;
+  const bool big = SpawnRecord::kTaskOffset + size > 32;
+  void* mem = allocate_block(0, big ? kSlot64 : kSlot32);
+  Fiber* cur = current_fiber();
+  auto* r = new (mem) SpawnRecord{nullptr, cur ? cur->group : nullptr};
+  // The tag rides in `next` until submit: the record's own link is unused until then.
+  r->next = tag_spawn_record(r, big);
+  return static_cast<char*>(mem) + SpawnRecord::kTaskOffset;
+}
+
+void go_record_submit(void* task_storage) noexcept {
+  auto* r = reinterpret_cast<SpawnRecord*>(static_cast<char*>(task_storage) - SpawnRecord::kTaskOffset);
+  Fiber* tagged = std::exchange(r->next, nullptr);
+  Processor* p = current_processor();  // the spawner's (go_record_create): no switch since
+  if (r->group && !p->group_member_spawned(r->group)) r->group->add();
+  p->count_spawn();
+  p->schedule_local(tagged);
+}
+
+Fiber* start_spawn_record(Fiber* tagged, Processor& p) noexcept {
+  SpawnRecord* r = spawn_record_of(tagged);
+  PendingTask* pending = r->task();
+  const std::size_t off = Fiber::task_offset(false);
+  const std::size_t size = off + pending->task_size();
+  const BlockClass c = block_class_for(size);
+  void* mem;
+  try {
+    mem = allocate_block(size, c);
+  } catch (...) {
+    // Nothing to report it through: no control block for an unhandled-exception handler to run
+    // on. Go ends the process too ("fatal error: out of memory").
+    std::fputs("libfiber: a fiber spawned with `go` cannot start: out of memory for its control block\n", stderr);
+    std::abort();
+  }
+  Fiber* f = new (mem) Fiber();
+  f->block_class = c;
+  f->sched = &p.sched();
+  f->set_stack_size(p.sched().default_stack_class());
+  f->id = p.next_fiber_id();
+  f->group = r->group;
+  TaskBase* task = pending->relocate(static_cast<char*>(mem) + off);
+  free_block(r, spawn_record_class(tagged));
+  f->has_task = true;
+  if (f->task() != task) [[unlikely]] {
+    std::fputs("libfiber: internal error: a task's TaskBase is not where its storage starts\n", stderr);
+    std::abort();
+  }
+  f->join_word.store(Fiber::kJoinDetached, std::memory_order_relaxed);  // `go`: born detached
+  f->set_state(FiberState::Created, FiberState::Runnable);
   return f;
 }
 

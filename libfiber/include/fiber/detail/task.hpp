@@ -2,6 +2,7 @@
 // templates construct it; not part of the API.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <new>
@@ -10,6 +11,10 @@
 #include <utility>
 
 #include "fiber/config.hpp"
+
+namespace fiber {
+struct SpawnOptions;  // fiber/spawn.hpp
+}  // namespace fiber
 
 namespace fiber::detail {
 
@@ -48,6 +53,47 @@ struct TaskImpl final : ResultSlot<T> {
   std::optional<F> fn;
 };
 
+// A `go` fiber that has not started yet: its callable, in a record of 32 or 64 bytes, which the
+// queues hold instead of a control block until a processor first picks it (go_record_create).
+// Starting it moves the callable into the task of a fresh control block and frees the record:
+// a million fibers queued at once cost a million small records, not a million control blocks.
+struct PendingTask {
+  virtual std::size_t task_size() const noexcept = 0;  // sizeof the task relocate() makes
+  // Moves the callable into a task constructed at `dst` (task_size() bytes, aligned for
+  // max_align_t) and ends this object's lifetime (its storage is the caller's to free).
+  virtual TaskBase* relocate(void* dst) noexcept = 0;
+
+ protected:
+  ~PendingTask() = default;
+};
+
+template <typename F, typename T>
+struct PendingTaskImpl final : PendingTask {
+  static_assert(std::is_nothrow_move_constructible_v<F>, "relocate() cannot fail");
+  explicit PendingTaskImpl(F&& f) noexcept : fn(std::move(f)) {}
+  std::size_t task_size() const noexcept override { return sizeof(TaskImpl<F, T>); }
+  TaskBase* relocate(void* dst) noexcept override {
+    TaskBase* t = new (dst) TaskImpl<F, T>(std::move(fn));
+    this->~PendingTaskImpl();
+    return t;
+  }
+  F fn;
+};
+
+// The largest PendingTaskImpl a record holds (a 64-byte record with its 16-byte header).
+inline constexpr std::size_t kMaxPendingTask = 48;
+
+// Whether a `go` of `Call` may queue a record: it moves without throwing, and fits.
+template <typename Call>
+constexpr bool fits_spawn_record() {
+  if constexpr (!std::is_nothrow_move_constructible_v<Call>) {
+    return false;
+  } else {
+    using Pending = PendingTaskImpl<Call, std::invoke_result_t<Call>>;
+    return sizeof(Pending) <= kMaxPendingTask && alignof(Pending) <= alignof(std::max_align_t);
+  }
+}
+
 struct SpawnRequest;  // fiber/spawn.hpp
 
 // Allocates a control block with room for a task of `task_size` bytes (and, when `joinable`, for
@@ -57,6 +103,13 @@ FIBER_API Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_
 // Hands a created fiber (whose task is constructed) to its scheduler. `joinable` keeps a
 // reference for a JoinHandle.
 FIBER_API void fiber_submit(Fiber* f, TaskBase* task, bool joinable);
+// `go`'s fast path. Storage (aligned for max_align_t) for a PendingTask of `size` bytes (at
+// most kMaxPendingTask) in a record of a fiber to spawn detached with `options`; nullptr when
+// the spawn must take the ordinary path (fiber_create): not called on a processor of the
+// target scheduler, a name or stack size given. Throws ResourceError when out of memory.
+FIBER_API void* go_record_create(const SpawnOptions& options, std::size_t size);
+// Hands the record, whose PendingTask is constructed, to the calling processor.
+FIBER_API void go_record_submit(void* task_storage) noexcept;
 // Frees a created fiber whose task constructor threw.
 FIBER_API void fiber_abandon(Fiber* f) noexcept;
 // JoinHandle support: wait for the fiber to finish (parks a fiber, blocks a thread).
