@@ -891,7 +891,7 @@ namespace {
 // A callable carrying `Bytes` bytes of pattern, counting its live copies, and checking its bytes
 // when it runs: the capture must arrive whole whichever control-block size it lands in. When it
 // runs it also records which size that was (Fiber::block_class).
-template <std::size_t Bytes, bool kNothrowMove = false>
+template <std::size_t Bytes>
 struct Payload {
   static_assert(Bytes >= 16 && Bytes % 8 == 0);
   std::atomic<int>* live;
@@ -904,9 +904,6 @@ struct Payload {
     std::memcpy(bytes, o.bytes, sizeof bytes);
     ++*live;
   }
-  // Only a copy, but kNothrowMove says it cannot throw: a `go` from a fiber may then queue it
-  // in a spawn record (fiber/detail/task.hpp, PendingTask), which moves it once more.
-  Payload(Payload&& o) noexcept(kNothrowMove) : Payload(static_cast<const Payload&>(o)) {}
   ~Payload() { --*live; }
   long operator()() const {
     for (std::size_t i = 0; i < sizeof bytes; ++i) {
@@ -994,49 +991,90 @@ TEST_CASE("spawn: callables of every size run with their captures whole, in the 
 }
 
 namespace {
-// From a fiber, `go`s each capturing a Payload<Bytes> that moves without throwing and two
-// pointers, `n` times; returns how many arrived whole (each fiber counts itself either way).
+// `Bytes` bytes of pattern, trivially copyable: with the two pointers go_pattern's lambda adds,
+// the kind of callable a `go` from a fiber may queue as a spawn record (fiber/detail/task.hpp).
 template <std::size_t Bytes>
-long go_movable(std::atomic<int>& live, long n) {
+struct Pattern {
+  unsigned char bytes[Bytes];
+  Pattern() {
+    for (std::size_t i = 0; i < Bytes; ++i) bytes[i] = static_cast<unsigned char>(i * 5 + Bytes);
+  }
+  bool whole() const {
+    for (std::size_t i = 0; i < Bytes; ++i) {
+      if (bytes[i] != static_cast<unsigned char>(i * 5 + Bytes)) return false;
+    }
+    return true;
+  }
+};
+static_assert(std::is_trivially_copyable_v<Pattern<16>>);
+
+// From a fiber, `go`s each capturing a Pattern<Bytes> and two pointers, `n` times; returns how
+// many arrived whole (each fiber counts itself either way).
+template <std::size_t Bytes>
+long go_pattern(long n) {
   std::atomic<long> whole{0};
   fiber::WaitGroup wg;
   wg.add(n);
   for (long i = 0; i < n; ++i) {
-    go [p = Payload<Bytes, true>(&live), &whole, &wg] {
-      if (p() == static_cast<long>(Bytes)) whole.fetch_add(1);
+    go [p = Pattern<Bytes>(), &whole, &wg] {
+      if (p.whole()) whole.fetch_add(1);
       wg.done();
     };
   }
   wg.wait();
   return whole.load();
 }
+
+struct alignas(64) OverAligned {
+  char c;
+};
 }  // namespace
 
-TEST_CASE("go from a fiber: small callables queued as spawn records run once, whole, and are destroyed once") {
-  // A `go` from a fiber of the target scheduler, with no name or stack size and a callable that
-  // moves without throwing in at most 40 bytes, queues a 32- or 64-byte record; the processor
-  // that first picks it moves the callable into a control block (sched/runtime.cpp,
-  // start_spawn_record). Sizes on each side of the boundaries (the lambda is the payload and two
-  // pointers): 32 (a 64-byte record), 40 (one exactly full), 48 (the ordinary path). Enough of
-  // each to overflow the ring into the injector. (Records on the injector's spill list: "a
-  // local queue's overflow loses no fiber when the global queue cannot grow".)
+TEST_CASE("go from a fiber: small trivially copyable callables queued as spawn records run once, whole") {
+  // A `go` from a fiber of the target scheduler, with no name or stack size and a trivially
+  // copyable callable of at most 40 bytes, queues a 32- or 64-byte record; the processor that
+  // first picks it moves the callable into a control block (sched/runtime.cpp,
+  // start_spawn_record). Sizes on each side of the boundaries: 8 (a 32-byte record), 32 (a
+  // 64-byte one), 40 (one exactly full), 48 (the ordinary path). Enough of each to overflow the
+  // ring into the injector. (Records on the injector's spill list: "a local queue's overflow
+  // loses no fiber when the global queue cannot grow".)
   for_each_proc_count([](fiber::Scheduler& s, int) {
-    std::atomic<int> live{0};
     fiber::block_on({.scheduler = &s}, [&] {
       constexpr long kN = 3000;
-      CHECK(go_movable<16>(live, kN) == kN);
-      CHECK(go_movable<24>(live, kN) == kN);
-      CHECK(go_movable<32>(live, kN) == kN);
-      // The smallest, a 32-byte record: one pointer.
       std::atomic<long> ran{0};
       for (long i = 0; i < kN; ++i) {
         go [&ran] { ran.fetch_add(1); };
       }
+      CHECK(go_pattern<16>(kN) == kN);
+      CHECK(go_pattern<24>(kN) == kN);
+      CHECK(go_pattern<32>(kN) == kN);
       CHECK(wait_for([&] { return ran.load() == kN; }));
+      // An over-aligned result is refused as on the ordinary path, not built misaligned.
+      CHECK_THROWS_AS((go [] { return OverAligned{}; }), fiber::UsageError);
     });
-    // Moved into its control block, the moved-from copy destroyed there, the callable destroyed
-    // when it returns: no copy left over, none destroyed twice.
-    CHECK(wait_for([&] { return live.load() == 0; }));
+  });
+}
+
+TEST_CASE("go from a fiber: a record fiber gets its id when it starts; other spawns when they are made") {
+  // Observable only through the id: one processor, so ids come from one block in order. A
+  // record's fiber takes its id when it starts, after a fiber::spawn made after it; a `go` that
+  // takes the ordinary path (too big, not trivially copyable, named) takes it at once.
+  fiber::Scheduler s({.processors = 1, .name = "records"});
+  fiber::block_on({.scheduler = &s}, [] {
+    std::atomic<unsigned long long> record{0}, big{0}, nontrivial{0}, named{0};
+    go [&record] { record = fiber::this_fiber::id(); };
+    go [&big, pad = Pattern<40>()] { big = pad.whole() ? fiber::this_fiber::id() : 1; };
+    go [&nontrivial, text = std::string("not trivially copyable")] { nontrivial = fiber::this_fiber::id(); };
+    go go_name("named")[&named] { named = fiber::this_fiber::id(); };
+    auto later = fiber::spawn([] {});
+    const unsigned long long later_id = later.id();
+    later.join();
+    CHECK(wait_for([&] { return record != 0 && big != 0 && nontrivial != 0 && named != 0; }));
+    CHECK(record.load() > later_id);
+    CHECK(big.load() < later_id);
+    CHECK(big.load() != 1);
+    CHECK(nontrivial.load() < later_id);
+    CHECK(named.load() < later_id);
   });
 }
 

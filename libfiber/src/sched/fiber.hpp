@@ -219,9 +219,6 @@ inline void*& fls_word(Fiber* f) noexcept {
   return *reinterpret_cast<void**>(f->stack.top() - kStackTopReserve);
 }
 
-// The current processor and fiber of this thread. Read through these non-inlined accessors
-// only: a fiber may resume on another thread after any switch, and the compiler may otherwise
-// keep a thread_local's address cached across the call that switched (invariant 3).
 // A `go` fiber not started yet (task.hpp, PendingTask): the spawner's group and the callable,
 // in a 32- or 64-byte slot. Queues (LIFO slot, ring, injector) hold it as a tagged Fiber*: bit 0
 // says "record", bit 1 "64-byte slot" (slots are 32-byte aligned). Nothing reads a queue entry
@@ -246,9 +243,14 @@ inline BlockClass spawn_record_class(const Fiber* f) noexcept {
 // The intrusive link of a queue entry, fiber or record.
 inline Fiber*& queue_link(Fiber* f) noexcept { return is_spawn_record(f) ? spawn_record_of(f)->next : f->next; }
 // Starts a record taken from a queue by `p`, its owner thread: a Runnable fiber of p's scheduler
-// that has never run, holding the record's callable; the record is freed.
-Fiber* start_spawn_record(Fiber* tagged, Processor& p) noexcept;
+// that has never run, holding the record's callable; the record is freed. With `cheap_only`,
+// nullptr (the record untouched) when the control block cannot come from the thread's slot
+// cache without a lock or a system call.
+Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only = false) noexcept;
 
+// The current processor and fiber of this thread. Read through these non-inlined accessors
+// only: a fiber may resume on another thread after any switch, and the compiler may otherwise
+// keep a thread_local's address cached across the call that switched (invariant 3).
 Processor* current_processor() noexcept;
 Fiber* current_fiber() noexcept;
 void set_current_processor(Processor* p) noexcept;

@@ -386,7 +386,17 @@ template <bool kParking>
   for (;;) {
     Fiber* next = find_work<kParking>();
     if (next == nullptr) return nullptr;
-    if (is_spawn_record(next)) next = start_spawn_record(next, *this);
+    if (is_spawn_record(next)) {
+      // In a park's window, which a waker on another thread waits out, only from the slot
+      // cache: a control block that needs a slab carved (mmap, populate) or malloc is the
+      // loop's to make, after the switch.
+      Fiber* started = start_spawn_record(next, *this, kParking);
+      if (started == nullptr) {
+        schedule_local(next);
+        return &loop_;
+      }
+      next = started;
+    }
     if (next->pinned != nullptr && next->pinned != this) [[unlikely]] {
       next->pinned->push_inbox(next);
       continue;

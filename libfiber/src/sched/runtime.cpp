@@ -186,17 +186,23 @@ struct SlotCache {
   }
   // Throws ResourceError when no memory can be had.
   void* allocate() {
+    if (void* p = allocate_cached()) return p;
+    if (!refill()) new_slab();
+    return allocate_cached();
+  }
+  // From this thread's lists or slab only: no lock, no system call. nullptr when all are empty.
+  void* allocate_cached() noexcept {
     if (FreeSlot* n = freed) {
       freed = n->next;
       --freed_count;
       return n;
     }
-    if (head == nullptr && bump == bump_end && !refill()) new_slab();
     if (FreeSlot* n = head) {
       head = n->next;
       --count;
       return n;
     }
+    if (bump == bump_end) return nullptr;
     void* p = bump;
     bump += kBlockSize;
     // A bulk slab was populated (zeroed) up to 2 MiB ago, so its lines have left the cache: a
@@ -285,6 +291,12 @@ __attribute__((noinline)) void* allocate_block(std::size_t size, BlockClass c) {
   void* p = std::malloc(size);
   if (!p) throw ResourceError("fiber::spawn: out of memory for a fiber control block");
   return p;
+}
+
+// allocate_block without the slow ways: a slot from this thread's cache, or nullptr.
+__attribute__((noinline)) void* allocate_block_cached(BlockClass c) noexcept {
+  if (c == kMallocBlock) return nullptr;
+  return with_slot_cache(c, [](auto& cache) { return cache.allocate_cached(); });
 }
 
 __attribute__((noinline)) void free_block(void* p, BlockClass c) noexcept {
@@ -384,7 +396,7 @@ void go_record_submit(void* task_storage) noexcept {
   p->schedule_local(tagged);
 }
 
-Fiber* start_spawn_record(Fiber* tagged, Processor& p) noexcept {
+Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only) noexcept {
   SpawnRecord* r = spawn_record_of(tagged);
   PendingTask* pending = r->task();
   const std::size_t off = Fiber::task_offset(false);
@@ -392,7 +404,8 @@ Fiber* start_spawn_record(Fiber* tagged, Processor& p) noexcept {
   const BlockClass c = block_class_for(size);
   void* mem;
   try {
-    mem = allocate_block(size, c);
+    mem = cheap_only ? allocate_block_cached(c) : allocate_block(size, c);
+    if (mem == nullptr) return nullptr;
   } catch (...) {
     // Nothing to report it through: no control block for an unhandled-exception handler to run
     // on. Go ends the process too ("fatal error: out of memory").

@@ -57,6 +57,9 @@ struct TaskImpl final : ResultSlot<T> {
 // queues hold instead of a control block until a processor first picks it (go_record_create).
 // Starting it moves the callable into the task of a fresh control block and frees the record:
 // a million fibers queued at once cost a million small records, not a million control blocks.
+// Only for callables that move and die trivially (a lambda capturing pointers and values): the
+// move happens wherever the processor picks it - a parking or finishing fiber's switch, the
+// loop - where no user code may run.
 struct PendingTask {
   virtual std::size_t task_size() const noexcept = 0;  // sizeof the task relocate() makes
   // Moves the callable into a task constructed at `dst` (task_size() bytes, aligned for
@@ -69,7 +72,8 @@ struct PendingTask {
 
 template <typename F, typename T>
 struct PendingTaskImpl final : PendingTask {
-  static_assert(std::is_nothrow_move_constructible_v<F>, "relocate() cannot fail");
+  static_assert(std::is_trivially_move_constructible_v<F> && std::is_trivially_destructible_v<F>,
+                "relocate() runs no user code");
   explicit PendingTaskImpl(F&& f) noexcept : fn(std::move(f)) {}
   std::size_t task_size() const noexcept override { return sizeof(TaskImpl<F, T>); }
   TaskBase* relocate(void* dst) noexcept override {
@@ -83,14 +87,18 @@ struct PendingTaskImpl final : PendingTask {
 // The largest PendingTaskImpl a record holds (a 64-byte record with its 16-byte header).
 inline constexpr std::size_t kMaxPendingTask = 48;
 
-// Whether a `go` of `Call` may queue a record: it moves without throwing, and fits.
+// Whether a `go` of `Call` may queue a record: it moves and dies trivially, and both it and the
+// task it becomes fit (an over-aligned callable or result takes the ordinary path, which
+// refuses it).
 template <typename Call>
 constexpr bool fits_spawn_record() {
-  if constexpr (!std::is_nothrow_move_constructible_v<Call>) {
+  if constexpr (!std::is_trivially_move_constructible_v<Call> || !std::is_trivially_destructible_v<Call>) {
     return false;
   } else {
-    using Pending = PendingTaskImpl<Call, std::invoke_result_t<Call>>;
-    return sizeof(Pending) <= kMaxPendingTask && alignof(Pending) <= alignof(std::max_align_t);
+    using T = std::invoke_result_t<Call>;
+    using Pending = PendingTaskImpl<Call, T>;
+    return sizeof(Pending) <= kMaxPendingTask && alignof(Pending) <= alignof(std::max_align_t) &&
+           alignof(TaskImpl<Call, T>) <= alignof(std::max_align_t);
   }
 }
 
