@@ -303,8 +303,9 @@ inline Go operator-(Go g, const GoOption& o) {
 // go go_name("x") f;           named (the name is copied)
 // go go_on(sched) f;           on scheduler `sched` (a fiber::Scheduler&)
 // Options combine: go go_name("acceptor") go_stack(1 << 20) [=] { ... };
-// A plain `go` from a fiber of the target scheduler, with a trivially copyable callable of up to
-// 40 bytes (a lambda capturing up to five pointers or values), queues only the callable; the
+// A plain `go` from a fiber of the target scheduler, with a callable of up to 40 bytes that
+// moves and is destroyed trivially (a lambda capturing up to five pointers or values), queues
+// only the callable; the
 // fiber's control block is made when it first runs (libfiber/README.md, "Spawn records"). Out
 // of memory then ends the process with a message; on every other path `go` throws
 // fiber::ResourceError instead.

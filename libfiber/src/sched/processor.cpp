@@ -871,8 +871,9 @@ void unpark(Fiber* f) noexcept {
     // Still switching away on another thread: wait until that switch is complete, as a Go
     // waker waits on the channel lock the parker holds until then. A window is usually a few
     // hundred instructions (the primitive's own, a timer add, the cheap picks of
-    // find_work<true>, the switch); at worst a first run's stack allocation, the fiber's own
-    // listing at its first park (a shard spinlock), a submission or a user lock's unlock().
+    // find_work<true>, the switch); at worst a first run's stack allocation, a spawn record's
+    // start (its control block from the slot cache only), the fiber's own listing at its first
+    // park (a shard spinlock), a submission or a user lock's unlock().
     // It takes no lock that a waker holds while it wakes: wakers wake outside the primitives'
     // locks (stop() too, outside the registry's), and those that wake under one (io::close and
     // fd_end, under a descriptor's slot lock) wake fibers already past taking it.

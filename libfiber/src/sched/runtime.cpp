@@ -184,7 +184,8 @@ struct SlotCache {
       freed_count = 0;
     }
   }
-  // Throws ResourceError when no memory can be had.
+  // Throws ResourceError when no memory can be had; never returns nullptr (a batch from the
+  // global list is never empty, a new slab holds many slots).
   void* allocate() {
     if (void* p = allocate_cached()) return p;
     if (!refill()) new_slab();
@@ -404,8 +405,8 @@ Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only) noexcept
   const BlockClass c = block_class_for(size);
   void* mem;
   try {
-    mem = cheap_only ? allocate_block_cached(c) : allocate_block(size, c);
-    if (mem == nullptr) return nullptr;
+    mem = cheap_only ? allocate_block_cached(c) : allocate_block(size, c);  // the latter: never nullptr
+    if (mem == nullptr) return nullptr;  // cheap_only: not from the cache
   } catch (...) {
     // Nothing to report it through: no control block for an unhandled-exception handler to run
     // on. Go ends the process too ("fatal error: out of memory").

@@ -58,8 +58,8 @@ struct TaskImpl final : ResultSlot<T> {
 // Starting it moves the callable into the task of a fresh control block and frees the record:
 // a million fibers queued at once cost a million small records, not a million control blocks.
 // Only for callables that move and die trivially (a lambda capturing pointers and values): the
-// move happens wherever the processor picks it - a parking or finishing fiber's switch, the
-// loop - where no user code may run.
+// move happens wherever the processor picks it - the switch of a fiber that yields, parks,
+// finishes or moves, or the loop - where no user code may run.
 struct PendingTask {
   virtual std::size_t task_size() const noexcept = 0;  // sizeof the task relocate() makes
   // Moves the callable into a task constructed at `dst` (task_size() bytes, aligned for
