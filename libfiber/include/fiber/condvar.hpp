@@ -15,9 +15,10 @@
 // takes a lock that some thread may hold while it notifies a CondVar or cancels a fiber:
 // unlock() runs while the waiting fiber is still parking, and a notifier on another thread
 // waits for that. So std::unique_lock<fiber::Mutex> (the usual one),
-// std::unique_lock<fiber::RWMutex>, even std::unique_lock<std::mutex>. Not a bare fiber::Mutex: a cancelled fiber's re-lock can throw
-// and leave it unlocked (see below), and a std::lock_guard around it would then unlock it again
-// while unwinding, a UsageError in a destructor, which terminates. A waiter is queued before the
+// std::unique_lock<fiber::RWMutex>, even std::unique_lock<std::mutex>. Not a bare fiber::Mutex:
+// a cancelled fiber's re-lock can throw and leave it unlocked (see below), and a
+// std::lock_guard around it would then unlock it again while unwinding, a UsageError in a
+// destructor, which terminates. A waiter is queued before the
 // lock is released, so a notify issued after the waiter released the lock always reaches it.
 //
 // Timeouts: a negative duration or a past deadline returns timeout (or the predicate's value)

@@ -273,7 +273,7 @@ struct Go {
     if constexpr (fits_spawn_record<Call>()) {
       using Pending = PendingTaskImpl<Call, std::invoke_result_t<Call>>;
       if (void* mem = go_record_create(options, sizeof(Pending))) {
-        go_record_submit(static_cast<PendingTask*>(new (mem) Pending(std::move(call))));
+        go_record_submit(static_cast<PendingTask*>(new (mem) Pending(std::move(call))), sizeof(Pending));
         return;
       }
     }
@@ -305,10 +305,9 @@ inline Go operator-(Go g, const GoOption& o) {
 // Options combine: go go_name("acceptor") go_stack(1 << 20) [=] { ... };
 // A plain `go` from a fiber of the target scheduler, with a callable of up to 40 bytes that
 // moves and is destroyed trivially (a lambda capturing up to five pointers or values), queues
-// only the callable; the
-// fiber's control block is made when it first runs (libfiber/README.md, "Spawn records"). Out
-// of memory then ends the process with a message; on every other path `go` throws
-// fiber::ResourceError instead.
+// only the callable; the fiber's control block is made when it first runs (libfiber/README.md,
+// "Spawn records"). Out of memory then ends the process with a message; on every other path
+// `go` throws fiber::ResourceError instead.
 #ifndef FIBER_NO_GO_MACRO
 #define go ::fiber::detail::Go{} -
 #endif

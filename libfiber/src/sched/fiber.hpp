@@ -228,7 +228,9 @@ struct SpawnRecord {
   Fiber* next;  // the injector's spill link, as Fiber::next (queue_link)
   Group* group;
   static constexpr std::size_t kTaskOffset = 16;
-  PendingTask* task() noexcept { return std::launder(reinterpret_cast<PendingTask*>(reinterpret_cast<char*>(this) + kTaskOffset)); }
+  PendingTask* task() noexcept {
+    return std::launder(reinterpret_cast<PendingTask*>(reinterpret_cast<char*>(this) + kTaskOffset));
+  }
 };
 inline bool is_spawn_record(const Fiber* f) noexcept { return (reinterpret_cast<uintptr_t>(f) & 1) != 0; }
 inline Fiber* tag_spawn_record(SpawnRecord* r, bool big) noexcept {

@@ -12,11 +12,10 @@
 // of five interleaved runs: 66.9 -> 59.9 ns per fiber).
 //
 // Pushes cannot fail (they are noexcept: a wake has nowhere to report an error). When no segment
-// can be had (out of memory), fibers are linked through Fiber::next (a spawn record's own link,
-// queue_link) on a spill list instead,
-// Tokio's way, which needs no memory. Order stays FIFO: while the spill list is not empty every
-// push goes there, and pops drain the segments first, so the segments only ever hold fibers
-// older than the spill list's.
+// can be had (out of memory), fibers are linked through Fiber::next (a spawn record through its
+// own link: queue_link) on a spill list instead, Tokio's way, which needs no memory. Order stays
+// FIFO: while the spill list is not empty every push goes there, and pops drain the segments
+// first, so the segments only ever hold fibers older than the spill list's.
 //
 // Segments are 64 KiB. A spawner that never yields (a million `go`s in a loop) sends half its
 // ring here at a time, and with 2 KiB segments it took a segment from malloc every 253 fibers,

@@ -22,7 +22,6 @@
 #include <new>
 #include <string>
 #include <thread>
-#include <utility>
 
 #include "fiber/block_on.hpp"
 #include "fiber/error.hpp"
@@ -86,9 +85,9 @@ void report_if_unobserved(Fiber* f) noexcept {
 
 
 // Control blocks (Fiber, join record, task) of up to 384 bytes are slots carved from slabs, in
-// four sizes (BlockClass); spawn records (fiber.hpp), in two more, 32 and 64 bytes. Freed slots go to a per-thread cache of their size, which hands
-// batches of kSpill slots to a global list (one lock per kSpill slots) and takes them back from
-// it. So a fiber costs two list operations, whether fibers churn (spawn, run, finish) or a
+// four sizes (BlockClass); spawn records (fiber.hpp) in two more, 32 and 64 bytes. Freed slots
+// go to a per-thread cache of their size, which hands batches of kSpill slots to a global list
+// (one lock per kSpill slots) and takes them back from it. So a fiber costs two list operations, whether fibers churn (spawn, run, finish) or a
 // million are alive at once; slabs are kept for reuse, never given back (like stacks, see
 // context/stack.hpp). Larger control blocks (big captures) use malloc.
 //
@@ -332,6 +331,42 @@ SchedulerImpl& target_scheduler(const SpawnOptions& o, const Fiber* cur) {
 
 uint64_t allocate_fiber_ids(uint64_t n) noexcept { return g_next_id.fetch_add(n, std::memory_order_relaxed); }
 
+namespace {
+// A Created control block in `mem` (of class `c`), as fiber_create and start_spawn_record make it.
+Fiber* construct_fiber(void* mem, BlockClass c, SchedulerImpl& s, std::size_t stack_class, uint64_t id,
+                       Group* group) noexcept {
+  Fiber* f = new (mem) Fiber();
+  f->block_class = c;
+  f->sched = &s;
+  f->set_stack_size(stack_class);
+  f->id = id;
+  f->group = group;
+  return f;
+}
+
+// `task`, constructed where Fiber::task() finds it, is f's; a joinable fiber keeps a reference
+// for its JoinHandle, a `go` one is born detached.
+void attach_task(Fiber* f, TaskBase* task, bool joinable) noexcept {
+  f->has_task = true;
+  // Found, not stored (Fiber::task()): after the Fiber and any wait record, as TaskBase, the
+  // first base.
+  if (f->task() != task) [[unlikely]] {
+    std::fputs("libfiber: internal error: a task's TaskBase is not where its storage starts\n", stderr);
+    std::abort();
+  }
+  if (joinable) {
+    f->refs.store(2, std::memory_order_relaxed);
+  } else {
+    f->join_word.store(Fiber::kJoinDetached, std::memory_order_relaxed);  // `go`: born detached
+  }
+}
+
+// A spawn record's slot: 32 bytes when its PendingTask of `size` bytes fits, else 64.
+BlockClass record_class_for(std::size_t size) noexcept {
+  return SpawnRecord::kTaskOffset + size <= 32 ? kSlot32 : kSlot64;
+}
+}  // namespace
+
 Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_size, std::size_t task_align,
                     void** task_storage) {
   Fiber* cur = current_fiber();
@@ -362,14 +397,10 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
     if (foreign) s.foreign_spawn_end();
     throw;
   }
-  Fiber* f = new (mem) Fiber();
+  Fiber* f = construct_fiber(mem, c, s, size_class, foreign ? allocate_fiber_ids(1) : p->next_fiber_id(),
+                             req.group ? req.group : (cur ? cur->group : nullptr));
   if (joinable) new (static_cast<char*>(mem) + sizeof(Fiber)) Waiter();
   f->joinable = joinable;
-  f->block_class = c;
-  f->sched = &s;
-  f->set_stack_size(size_class);
-  f->id = foreign ? allocate_fiber_ids(1) : p->next_fiber_id();
-  f->group = req.group ? req.group : (cur ? cur->group : nullptr);
   f->name = name.release();
   *task_storage = static_cast<char*>(mem) + off;
   return f;
@@ -378,23 +409,19 @@ Fiber* fiber_create(const SpawnRequest& req, bool joinable, std::size_t task_siz
 void* go_record_create(const SpawnOptions& options, std::size_t size) {
   Processor* p = current_processor();
   if (p == nullptr || !options.name.empty() || options.stack_size != 0) return nullptr;
-  if (&target_scheduler(options, current_fiber()) != &p->sched()) return nullptr;
-  const bool big = SpawnRecord::kTaskOffset + size > 32;
-  void* mem = allocate_block(0, big ? kSlot64 : kSlot32);
   Fiber* cur = current_fiber();
-  auto* r = new (mem) SpawnRecord{nullptr, cur ? cur->group : nullptr};
-  // The tag rides in `next` until submit: the record's own link is unused until then.
-  r->next = tag_spawn_record(r, big);
+  if (&target_scheduler(options, cur) != &p->sched()) return nullptr;
+  void* mem = allocate_block(0, record_class_for(size));
+  new (mem) SpawnRecord{nullptr, cur ? cur->group : nullptr};
   return static_cast<char*>(mem) + SpawnRecord::kTaskOffset;
 }
 
-void go_record_submit(void* task_storage) noexcept {
+void go_record_submit(void* task_storage, std::size_t size) noexcept {
   auto* r = reinterpret_cast<SpawnRecord*>(static_cast<char*>(task_storage) - SpawnRecord::kTaskOffset);
-  Fiber* tagged = std::exchange(r->next, nullptr);
   Processor* p = current_processor();  // the spawner's (go_record_create): no switch since
   if (r->group && !p->group_member_spawned(r->group)) r->group->add();
   p->count_spawn();
-  p->schedule_local(tagged);
+  p->schedule_local(tag_spawn_record(r, record_class_for(size) == kSlot64));
 }
 
 Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only) noexcept {
@@ -413,20 +440,9 @@ Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only) noexcept
     std::fputs("libfiber: a fiber spawned with `go` cannot start: out of memory for its control block\n", stderr);
     std::abort();
   }
-  Fiber* f = new (mem) Fiber();
-  f->block_class = c;
-  f->sched = &p.sched();
-  f->set_stack_size(p.sched().default_stack_class());
-  f->id = p.next_fiber_id();
-  f->group = r->group;
-  TaskBase* task = pending->relocate(static_cast<char*>(mem) + off);
+  Fiber* f = construct_fiber(mem, c, p.sched(), p.sched().default_stack_class(), p.next_fiber_id(), r->group);
+  attach_task(f, pending->relocate(static_cast<char*>(mem) + off), false);
   free_block(r, spawn_record_class(tagged));
-  f->has_task = true;
-  if (f->task() != task) [[unlikely]] {
-    std::fputs("libfiber: internal error: a task's TaskBase is not where its storage starts\n", stderr);
-    std::abort();
-  }
-  f->join_word.store(Fiber::kJoinDetached, std::memory_order_relaxed);  // `go`: born detached
   f->set_state(FiberState::Created, FiberState::Runnable);
   return f;
 }
@@ -438,17 +454,7 @@ void fiber_abandon(Fiber* f) noexcept {
 }
 
 void fiber_submit(Fiber* f, TaskBase* task, bool joinable) {
-  f->has_task = true;
-  // Found, not stored (Fiber::task()): where fiber_create put it, as TaskBase, the first base.
-  if (f->task() != task) [[unlikely]] {
-    std::fputs("libfiber: internal error: a task's TaskBase is not where its storage starts\n", stderr);
-    std::abort();
-  }
-  if (joinable) {
-    f->refs.store(2, std::memory_order_relaxed);
-  } else {
-    f->join_word.store(Fiber::kJoinDetached, std::memory_order_relaxed);  // `go`: born detached
-  }
+  attach_task(f, task, joinable);
   Processor* p = current_processor();
   if (f->group && !(p && p->group_member_spawned(f->group))) f->group->add();
   SchedulerImpl& s = *f->sched;  // f may run, finish and be freed once published

@@ -116,8 +116,8 @@ FIBER_API void fiber_submit(Fiber* f, TaskBase* task, bool joinable);
 // the spawn must take the ordinary path (fiber_create): not called on a processor of the
 // target scheduler, a name or stack size given. Throws ResourceError when out of memory.
 FIBER_API void* go_record_create(const SpawnOptions& options, std::size_t size);
-// Hands the record, whose PendingTask is constructed, to the calling processor.
-FIBER_API void go_record_submit(void* task_storage) noexcept;
+// Hands the record, whose PendingTask of `size` bytes is constructed, to the calling processor.
+FIBER_API void go_record_submit(void* task_storage, std::size_t size) noexcept;
 // Frees a created fiber whose task constructor threw.
 FIBER_API void fiber_abandon(Fiber* f) noexcept;
 // JoinHandle support: wait for the fiber to finish (parks a fiber, blocks a thread).
