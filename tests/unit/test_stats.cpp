@@ -148,20 +148,28 @@ TEST_CASE("dump: lists every live fiber of every scheduler, with names") {
     hs.push_back(fiber::spawn({.scheduler = &a, .name = "alpha" + std::to_string(i)}, body));
     hs.push_back(fiber::spawn({.scheduler = &b, .name = "beta" + std::to_string(i)}, body));
   }
-  // Listed once started (a queued fiber is only counted): wait until all ten have run.
   REQUIRE(wait_for([&] { return started.load() == 10; }));
   CHECK(a.live_fibers() == 5);
   CHECK(b.live_fibers() == 5);
-  std::ostringstream out;
-  fiber::dump(out);
-  const std::string d = out.str();
+  // A fiber is listed at its first park, not when it starts (a queued or running one is only
+  // counted), and `started` counts before the park: dump until every one is named. A fiber that
+  // parked and stayed unlisted fails here once the bounded wait runs out.
+  std::string d;
+  const auto names_all = [&] {
+    std::ostringstream out;
+    fiber::dump(out);
+    d = out.str();
+    for (auto& h : hs) {
+      if (!contains(d, "fiber #" + std::to_string(h.id()) + " '")) return false;
+    }
+    for (int i = 0; i < 5; ++i) {
+      if (!contains(d, "'alpha" + std::to_string(i) + "'") || !contains(d, "'beta" + std::to_string(i) + "'")) return false;
+    }
+    return true;
+  };
+  CHECK_MESSAGE(wait_for(names_all), d);
   CHECK(contains(d, "scheduler 'dump-a'"));
   CHECK(contains(d, "scheduler 'dump-b'"));
-  for (auto& h : hs) CHECK(contains(d, "fiber #" + std::to_string(h.id()) + " '"));
-  for (int i = 0; i < 5; ++i) {
-    CHECK(contains(d, "'alpha" + std::to_string(i) + "'"));
-    CHECK(contains(d, "'beta" + std::to_string(i) + "'"));
-  }
   stop.close();
   for (auto& h : hs) h.join();
   std::ostringstream after;
