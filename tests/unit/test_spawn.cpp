@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "sched/fiber.hpp"      // current_fiber(): to read the stack size a fiber really got
+#include "sched/fiber.hpp"      // current_fiber(), refuse_record_starts: a record started out of memory
 #include "sched/injector.hpp"   // Injector::refuse_segments: the global queue out of memory
 #include "sched/processor.hpp"
 #include "test_util.hpp"
@@ -1095,6 +1095,47 @@ TEST_CASE("go from a fiber: an exception escaping a fiber started from a spawn r
     CHECK(r[0].id == id.load());
     CHECK(r[0].name == "");
     CHECK(r[0].message == "tagged error 9");
+  });
+}
+
+TEST_CASE("go from a fiber: a record whose control block cannot be had never runs; its ResourceError reaches the handler") {
+  // Out of memory when a record starts (sched/fiber.hpp, refuse_record_starts): a switch's pick
+  // (a yield, a park's window, a finish) hands the record to the loop, which reports a
+  // ResourceError under a fresh id, counts the fiber finished and leaves its block_on group.
+  // It must not end the process (the default handler would; this one records).
+  for_each_proc_count([](fiber::Scheduler& s, int) {
+    HandlerScope scope;
+    constexpr std::size_t kN = 50;
+    std::atomic<int> ran{0};
+    fiber::detail::refuse_record_starts.store(1'000'000);
+    fiber::block_on({.scheduler = &s}, [&ran] {
+      for (std::size_t i = 0; i < kN; ++i) {
+        go [&ran] { ran.fetch_add(1); };
+      }
+      fiber::this_fiber::yield();               // a yield's pick
+      fiber::this_fiber::sleep_for(1ms);        // a park's pick
+    });                                         // then the finish's, and the loop's
+    fiber::detail::refuse_record_starts.store(0);
+    CHECK(ran.load() == 0);
+    quiesce(s);
+    const auto r = take_reports();
+    REQUIRE(r.size() == kN);
+    std::set<unsigned long long> ids;
+    for (const Report& x : r) {
+      CHECK(x.message.find("out of memory for fiber control blocks") != std::string::npos);
+      CHECK(x.name.empty());
+      ids.insert(x.id);
+    }
+    CHECK(ids.size() == kN);
+    CHECK(ids.count(0) == 0);
+    // Memory back, records start again.
+    fiber::block_on({.scheduler = &s}, [&ran] {
+      for (std::size_t i = 0; i < kN; ++i) {
+        go [&ran] { ran.fetch_add(1); };
+      }
+    });
+    CHECK(ran.load() == static_cast<int>(kN));
+    CHECK(take_reports().empty());
   });
 }
 

@@ -306,8 +306,9 @@ inline Go operator-(Go g, const GoOption& o) {
 // A plain `go` from a fiber of the target scheduler, with a callable of up to 40 bytes that
 // moves and is destroyed trivially (a lambda capturing up to five pointers or values), queues
 // only the callable; the fiber's control block is made when it first runs (libfiber/README.md,
-// "Spawn records"). Out of memory then ends the process with a message; on every other path
-// `go` throws fiber::ResourceError instead.
+// "Spawn records"). Out of memory then, the fiber never runs and its fiber::ResourceError goes
+// to the unhandled-exception handler, as one it threw would; on every other path `go` throws
+// fiber::ResourceError itself.
 #ifndef FIBER_NO_GO_MACRO
 #define go ::fiber::detail::Go{} -
 #endif

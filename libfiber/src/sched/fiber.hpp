@@ -244,11 +244,22 @@ inline BlockClass spawn_record_class(const Fiber* f) noexcept {
 }
 // The intrusive link of a queue entry, fiber or record.
 inline Fiber*& queue_link(Fiber* f) noexcept { return is_spawn_record(f) ? spawn_record_of(f)->next : f->next; }
+// How start_spawn_record may get the control block, and what it does when it cannot.
+enum class RecordStart : uint8_t {
+  CacheOnly,  // a park's window: the thread's slot cache only, no lock or system call
+  Allocate,   // a fiber's switch (yield, finish, move): any way; no user code on failure
+  OrReport,   // the loop: any way; on failure, reports and drops the record (below)
+};
 // Starts a record taken from a queue by `p`, its owner thread: a Runnable fiber of p's scheduler
-// that has never run, holding the record's callable; the record is freed. With `cheap_only`,
-// nullptr (the record untouched) when the control block cannot come from the thread's slot
-// cache without a lock or a system call.
-Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only = false) noexcept;
+// that has never run, holding the record's callable; the record is freed. nullptr when no
+// control block can be had that way: CacheOnly and Allocate leave the record untouched, for the
+// caller to hand to the loop; OrReport (out of memory) reports a fiber::ResourceError to the
+// unhandled-exception handler, as if the `go` fiber had thrown it, counts the fiber finished
+// (live_fibers(), its block_on group) and frees the record. A plain `go` is detached, so that
+// is where an error at its start goes, as for a fiber whose first stack cannot be had.
+Fiber* start_spawn_record(Fiber* tagged, Processor& p, RecordStart how) noexcept;
+// Test hook: while positive, that many record starts (counted down) behave as out of memory.
+inline std::atomic<int> refuse_record_starts{0};
 
 // The current processor and fiber of this thread. Read through these non-inlined accessors
 // only: a fiber may resume on another thread after any switch, and the compiler may otherwise

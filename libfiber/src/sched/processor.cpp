@@ -354,7 +354,7 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
 }
 
 void Processor::run(Fiber* f) noexcept {
-  if (is_spawn_record(f)) f = start_spawn_record(f, *this);
+  if (is_spawn_record(f) && (f = start_spawn_record(f, *this, RecordStart::OrReport)) == nullptr) return;
   if (f->pinned != nullptr && f->pinned != this) {
     f->pinned->push_inbox(f);
     return;
@@ -396,8 +396,8 @@ template <bool kParking>
     if (is_spawn_record(next)) {
       // In a park's window, which a waker on another thread waits out, only from the slot
       // cache: a control block that needs a slab carved (mmap, populate) or malloc is the
-      // loop's to make, after the switch.
-      Fiber* started = start_spawn_record(next, *this, kParking);
+      // loop's to make, after the switch. Out of memory, the loop reports it.
+      Fiber* started = start_spawn_record(next, *this, kParking ? RecordStart::CacheOnly : RecordStart::Allocate);
       if (started == nullptr) {
         schedule_local(next);
         return &loop_;

@@ -69,18 +69,20 @@ bool is_cancellation(const std::exception_ptr& e) noexcept {
 // how a fiber ends quietly: the cancellation stop(), JoinHandle::cancel() or a token asked for,
 // one the fiber throws itself, or one passed on from a cancelled fiber it joined (tested in
 // test_spawn.cpp, "reaches the unhandled-exception handler", part 4).
-void report_if_unobserved(Fiber* f) noexcept {
-  TaskBase* task = f->task();
-  if (!task || !task->error || is_cancellation(task->error)) return;
+void report_unobserved(uint64_t id, std::string_view name, const std::exception_ptr& error) noexcept {
   try {
-    g_unhandled.load(std::memory_order_acquire)(
-        UnhandledException{f->id, f->name ? std::string_view(f->name) : std::string_view(), task->error});
+    g_unhandled.load(std::memory_order_acquire)(UnhandledException{id, name, error});
   } catch (const Cancelled&) {
     // stop() (or a token) cancelled a wait the handler made: it ends there, as a fiber would.
   } catch (...) {
     std::fputs("libfiber: the unhandled-exception handler threw an exception; aborting\n", stderr);
     std::abort();
   }
+}
+void report_if_unobserved(Fiber* f) noexcept {
+  TaskBase* task = f->task();
+  if (!task || !task->error || is_cancellation(task->error)) return;
+  report_unobserved(f->id, f->name ? std::string_view(f->name) : std::string_view(), task->error);
 }
 
 
@@ -424,22 +426,44 @@ void go_record_submit(void* task_storage, std::size_t size) noexcept {
   p->schedule_local(tag_spawn_record(r, record_class_for(size) == kSlot64));
 }
 
-Fiber* start_spawn_record(Fiber* tagged, Processor& p, bool cheap_only) noexcept {
+// Test hook (fiber.hpp): true while it refuses starts, counting one down.
+static bool refused_record_start() noexcept {
+  int n = refuse_record_starts.load(std::memory_order_relaxed);
+  while (n > 0 && !refuse_record_starts.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
+  }
+  return n > 0;
+}
+
+// start_spawn_record's failure in the loop: the record's fiber never runs, and says why where an
+// exception escaping it would have gone (its id is taken now, as a start would).
+static void fail_spawn_record(Fiber* tagged, Processor& p, const std::exception_ptr& error) noexcept {
+  SpawnRecord* r = spawn_record_of(tagged);
+  Group* g = r->group;
+  free_block(r, spawn_record_class(tagged));  // the callable is trivially destructible
+  report_unobserved(p.next_fiber_id(), {}, error);
+  // Read afresh: the handler may block, as after any detached fiber's (complete_fiber).
+  Processor* now = current_processor();
+  now->count_finish();
+  if (g) now->group_member_done(g);
+}
+
+Fiber* start_spawn_record(Fiber* tagged, Processor& p, RecordStart how) noexcept {
   SpawnRecord* r = spawn_record_of(tagged);
   PendingTask* pending = r->task();
   const std::size_t off = Fiber::task_offset(false);
   const std::size_t size = off + pending->task_size();
   const BlockClass c = block_class_for(size);
-  void* mem;
+  void* mem = nullptr;
   try {
-    mem = cheap_only ? allocate_block_cached(c) : allocate_block(size, c);  // the latter: never nullptr
-    if (mem == nullptr) return nullptr;  // cheap_only: not from the cache
+    if (refused_record_start()) [[unlikely]] {
+      throw ResourceError("fiber::spawn: out of memory for fiber control blocks (refused by the test hook)");
+    }
+    mem = how == RecordStart::CacheOnly ? allocate_block_cached(c) : allocate_block(size, c);  // the latter: never nullptr
   } catch (...) {
-    // Nothing to report it through: no control block for an unhandled-exception handler to run
-    // on. Go ends the process too ("fatal error: out of memory").
-    std::fputs("libfiber: a fiber spawned with `go` cannot start: out of memory for its control block\n", stderr);
-    std::abort();
+    if (how == RecordStart::OrReport) fail_spawn_record(tagged, p, std::current_exception());
+    return nullptr;
   }
+  if (mem == nullptr) return nullptr;  // CacheOnly: not in the cache
   Fiber* f = construct_fiber(mem, c, p.sched(), p.sched().default_stack_class(), p.next_fiber_id(), r->group);
   attach_task(f, pending->relocate(static_cast<char*>(mem) + off), false);
   free_block(r, spawn_record_class(tagged));
