@@ -89,9 +89,10 @@ void report_if_unobserved(Fiber* f) noexcept {
 // Control blocks (Fiber, join record, task) of up to 384 bytes are slots carved from slabs, in
 // four sizes (BlockClass); spawn records (fiber.hpp) in two more, 32 and 64 bytes. Freed slots
 // go to a per-thread cache of their size, which hands batches of kSpill slots to a global list
-// (one lock per kSpill slots) and takes them back from it. So a fiber costs two list operations, whether fibers churn (spawn, run, finish) or a
-// million are alive at once; slabs are kept for reuse, never given back (like stacks, see
-// context/stack.hpp). Larger control blocks (big captures) use malloc.
+// (one lock per kSpill slots) and takes them back from it. So a fiber costs two list
+// operations, whether fibers churn (spawn, run, finish) or a million are alive at once; slabs
+// are kept for reuse, never given back (like stacks, see context/stack.hpp). Larger control
+// blocks (big captures) use malloc.
 //
 // Sizes matter because a million fibers queued at once (spawn_1t, a burst of connections) are a
 // million control blocks of fresh memory, and committing fresh memory costs this VM about 2 us a
@@ -458,7 +459,8 @@ Fiber* start_spawn_record(Fiber* tagged, Processor& p, RecordStart how) noexcept
     if (refused_record_start()) [[unlikely]] {
       throw ResourceError("fiber::spawn: out of memory for fiber control blocks (refused by the test hook)");
     }
-    mem = how == RecordStart::CacheOnly ? allocate_block_cached(c) : allocate_block(size, c);  // the latter: never nullptr
+    // allocate_block never returns nullptr; the cache alone may.
+    mem = how == RecordStart::CacheOnly ? allocate_block_cached(c) : allocate_block(size, c);
   } catch (...) {
     if (how == RecordStart::OrReport) fail_spawn_record(tagged, p, std::current_exception());
     return nullptr;
