@@ -114,12 +114,9 @@ void decide_wait_start() noexcept {
 
 // ------------------------------------------------------------------------------ waiter
 
-static void waiter_prepare_impl(Waiter& w, bool shielded) noexcept;
-
-void waiter_prepare(Waiter& w) noexcept { waiter_prepare_impl(w, false); }
-void waiter_prepare_shielded(Waiter& w) noexcept { waiter_prepare_impl(w, true); }
-
-void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
+// Inline in both entry points, as fiber_wait is in both waits: every park prepares and waits
+// (with park_locked inline, pingpong_1t went from 962 to 888 instructions per round trip).
+[[gnu::always_inline]] static inline void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
   Fiber* f = current_fiber();
   w.fiber = f;
   w.next = w.prev = nullptr;
@@ -159,6 +156,9 @@ void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
   }
   w.gen = WakeWord::unpack(next).gen;
 }
+
+void waiter_prepare(Waiter& w) noexcept { waiter_prepare_impl(w, false); }
+void waiter_prepare_shielded(Waiter& w) noexcept { waiter_prepare_impl(w, true); }
 
 bool waiter_claim(Waiter& w, WakeReason reason) noexcept {
   if (w.fiber == nullptr) {
@@ -214,7 +214,7 @@ void waiter_abandon(Waiter& w) noexcept {
 namespace {
 
 // A fiber wait. `entry` (optional) is its timer, already added.
-WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
+[[gnu::always_inline]] inline WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
   Fiber* f = w.fiber;
   const WakeWord ww = WakeWord::unpack(f->wake_word.load(std::memory_order_acquire));
   if (ww.cancelled && !ww.shielded && waiter_claim(w, WakeReason::Cancelled)) {
