@@ -354,7 +354,10 @@ bool Processor::prepare_first_run(Fiber* f) noexcept {
 }
 
 void Processor::run(Fiber* f) noexcept {
-  if (is_spawn_record(f) && (f = start_spawn_record(f, *this, RecordStart::OrReport)) == nullptr) return;
+  if (is_spawn_record(f)) {
+    f = start_spawn_record(f, *this, RecordStart::OrReport);
+    if (f == nullptr) return;  // no control block: reported and counted finished
+  }
   if (f->pinned != nullptr && f->pinned != this) {
     f->pinned->push_inbox(f);
     return;

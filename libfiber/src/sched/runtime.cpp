@@ -79,12 +79,12 @@ void report_unobserved(uint64_t id, std::string_view name, const std::exception_
     std::abort();
   }
 }
+
 void report_if_unobserved(Fiber* f) noexcept {
   TaskBase* task = f->task();
   if (!task || !task->error || is_cancellation(task->error)) return;
   report_unobserved(f->id, f->name ? std::string_view(f->name) : std::string_view(), task->error);
 }
-
 
 // Control blocks (Fiber, join record, task) of up to 384 bytes are slots carved from slabs, in
 // four sizes (BlockClass); spawn records (fiber.hpp) in two more, 32 and 64 bytes. Freed slots
