@@ -28,6 +28,7 @@
 #include "sched/processor.hpp"
 #include "sched/runtime.hpp"
 #include "sched/timer.hpp"
+#include "sync/waiter_impl.hpp"
 
 namespace fiber::detail {
 
@@ -82,6 +83,8 @@ long parker_key() noexcept {
   return key;
 }
 
+}  // namespace
+
 __attribute__((noinline)) ThreadParker* this_thread_parker() {
   if (ThreadParker* p = t_parker) return p;
   ThreadParker* p = nullptr;
@@ -104,82 +107,19 @@ __attribute__((noinline)) ThreadParker* this_thread_parker() {
   return p;
 }
 
-constexpr uint8_t kPending = static_cast<uint8_t>(WakeReason::Pending);
-
-}  // namespace
-
 void decide_wait_start() noexcept {
   if (membarrier_available()) g_plain_wait_start.store(true, std::memory_order_relaxed);
 }
 
 // ------------------------------------------------------------------------------ waiter
 
-// Inline in both entry points, as fiber_wait is in both waits: every park prepares and waits
-// (with park_locked inline, pingpong_1t went from 962 to 888 instructions per round trip).
-[[gnu::always_inline]] static inline void waiter_prepare_impl(Waiter& w, bool shielded) noexcept {
-  Fiber* f = current_fiber();
-  w.fiber = f;
-  w.next = w.prev = nullptr;
-  if (f == nullptr) {
-    w.parker = this_thread_parker();
-    w.state.store(kPending, std::memory_order_relaxed);
-    return;
-  }
-  // Parking first: once the new (gen, Pending) word is published a waker (or a cancel) may claim
-  // it and unpark us at once, and unpark requires Parking or Parked. The store (or CAS) below is
-  // a release, so whoever reads the new word also sees this one.
-  f->state.store(FiberState::Parking, std::memory_order_relaxed);
-  // Only this fiber changes the generation. Wakers only claim a Pending wait of the current
-  // generation, and the previous wait is no longer Pending (it ended by a claim), so nothing
-  // but a cancel's fetch_or of the cancel bit can write the word now.
-  uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
-  // What the plain store below rests on: the previous wait ended with a claim. One still Pending
-  // could be claimed by a late waker between the load and the store, and that claim's unpark
-  // would then wake this wait.
-  if ((cur & WakeWord::kReasonMask) == static_cast<uint64_t>(WakeReason::Pending)) [[unlikely]] {
-    std::fprintf(stderr, "libfiber: broken invariant: fiber #%llu began a wait while its last one was pending\n",
-                 static_cast<unsigned long long>(f->id));
-    std::abort();
-  }
-  uint64_t next = WakeWord::next_wait(cur, shielded);
-  if (plain_wait_start()) [[likely]] {
-    // A plain store (release: a waker that reads the new word sees Parking), which may overwrite
-    // the bit of a cancel that came since the load: then the cancel's flag is visible here
-    // (fiber_cancel_fence is the other half of the fence), and the bit is set again.
-    f->wake_word.store(next, std::memory_order_release);
-    std::atomic_signal_fence(std::memory_order_seq_cst);
-    if (f->cancel_requested.load(std::memory_order_relaxed) && !(next & WakeWord::kCancelBit)) [[unlikely]] {
-      next = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
-    }
-  } else {
-    while (!f->wake_word.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) next = WakeWord::next_wait(cur, shielded);
-  }
-  w.gen = WakeWord::unpack(next).gen;
-}
+void waiter_prepare(Waiter& w) noexcept { prepare_wait(w, false); }
+void waiter_prepare_shielded(Waiter& w) noexcept { prepare_wait(w, true); }
 
-void waiter_prepare(Waiter& w) noexcept { waiter_prepare_impl(w, false); }
-void waiter_prepare_shielded(Waiter& w) noexcept { waiter_prepare_impl(w, true); }
+bool waiter_claim(Waiter& w, WakeReason reason) noexcept { return claim_wait(w, reason); }
+void waiter_wake(Waiter& w) noexcept { wake_wait(w); }
 
-bool waiter_claim(Waiter& w, WakeReason reason) noexcept {
-  if (w.fiber == nullptr) {
-    uint8_t expected = kPending;
-    return w.state.compare_exchange_strong(expected, static_cast<uint8_t>(reason) | Waiter::kClaimBusy,
-                                           std::memory_order_acq_rel);
-  }
-  Fiber* f = w.fiber;
-  uint64_t cur = f->wake_word.load(std::memory_order_acquire);
-  for (;;) {
-    const WakeWord ww = WakeWord::unpack(cur);
-    if (ww.gen != w.gen || ww.reason != WakeReason::Pending) return false;
-    if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason), std::memory_order_acq_rel)) return true;
-  }
-}
-
-void waiter_wake(Waiter& w) noexcept {
-  if (w.fiber != nullptr) {
-    unpark(w.fiber);
-    return;
-  }
+void wake_thread_wait(Waiter& w) noexcept {
   ThreadParker* p = w.parker;  // read before the record may vanish
   const uint8_t s = w.state.load(std::memory_order_relaxed) & ~Waiter::kClaimBusy;
   w.state.store(s, std::memory_order_release);  // the thread may return from here on
@@ -211,30 +151,14 @@ void waiter_abandon(Waiter& w) noexcept {
   Processor::park_current(ParkReason::None);
 }
 
-namespace {
-
-// A fiber wait. `entry` (optional) is its timer, already added.
-[[gnu::always_inline]] inline WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
-  Fiber* f = w.fiber;
-  const WakeWord ww = WakeWord::unpack(f->wake_word.load(std::memory_order_acquire));
-  if (ww.cancelled && !ww.shielded && waiter_claim(w, WakeReason::Cancelled)) {
-    // Claimed by ourselves: no waker will unpark us. Wakers that lost do nothing.
-    f->state.store(FiberState::Running, std::memory_order_release);
-    current_processor()->wake_deferred();  // our window has ended
-    return WakeReason::Cancelled;
-  }
-  Processor::park_current(why);
-  return WakeWord::unpack(f->wake_word.load(std::memory_order_acquire)).reason;
-}
-
 WakeReason thread_wait(Waiter& w, const int64_t* deadline_ns) noexcept {
   for (;;) {
     const uint8_t s = w.state.load(std::memory_order_acquire);
-    if (s != kPending && !(s & Waiter::kClaimBusy)) return static_cast<WakeReason>(s);
-    if (s == kPending && deadline_ns) {
+    if (s != kWaitPending && !(s & Waiter::kClaimBusy)) return static_cast<WakeReason>(s);
+    if (s == kWaitPending && deadline_ns) {
       const int64_t left = *deadline_ns - steady_now_ns();
       if (left <= 0) {
-        uint8_t expected = kPending;
+        uint8_t expected = kWaitPending;
         if (w.state.compare_exchange_strong(expected, static_cast<uint8_t>(WakeReason::Timeout),
                                             std::memory_order_acq_rel)) {
           return WakeReason::Timeout;
@@ -249,11 +173,7 @@ WakeReason thread_wait(Waiter& w, const int64_t* deadline_ns) noexcept {
   }
 }
 
-}  // namespace
-
-WakeReason waiter_wait(Waiter& w, ParkReason why) noexcept {
-  return w.fiber ? fiber_wait(w, why) : thread_wait(w, nullptr);
-}
+WakeReason waiter_wait(Waiter& w, ParkReason why) noexcept { return wait_claimed(w, why); }
 
 WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_clock::time_point deadline) noexcept {
   // No deadline (a limit saturated by to_deadline/deadline_after): no timer entry, whose
