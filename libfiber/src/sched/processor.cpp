@@ -514,9 +514,9 @@ inline bool Processor::queue_back(Fiber* f) noexcept {
   return true;
 }
 
-void Processor::schedule_local(Fiber* f) noexcept {
-  Fiber* prev = lifo_.exchange(f);
-  if (prev == nullptr) return;  // the LIFO slot is not stealable: no one to tell
+// The LIFO slot is not stealable, so a fiber put there tells no idle processor; one put out of
+// it into the queue may.
+void Processor::requeue_displaced(Fiber* prev) noexcept {
   if (queue_back(prev) && sched_.idle().should_wake()) sched_.notify_parked();
 }
 
@@ -857,9 +857,37 @@ void Processor::stats_into(ProcessorStats& out) const noexcept {
 
 // ------------------------------------------------------------------------------ unpark
 
-void unpark(Fiber* f) noexcept {
-  FiberState s = f->state.load(std::memory_order_acquire);
-  if (s == FiberState::Parking) [[unlikely]] {
+namespace {
+
+// A woken fiber that may not run on this thread: to the processor it is pinned to, or its
+// scheduler's injector. Once published, `f` may finish and its scheduler stop before we are out
+// of inject()/push_inbox(): everything is read first, and stop() waits for the end mark.
+[[gnu::noinline]] void enqueue_foreign(Fiber* f) noexcept {
+  SchedulerImpl* s = f->sched;
+  Processor* pinned = f->pinned;
+  s->foreign_wake_begin();
+  if (pinned != nullptr) pinned->push_inbox(f); else s->inject(f);
+  s->foreign_wake_end();
+}
+
+// unpark's second half: `f`, Parked, becomes Runnable and goes to this processor's LIFO slot
+// when it may run here, else to its own processor or its scheduler.
+[[gnu::always_inline]] inline void enqueue_woken(Fiber* f) noexcept {
+  // A store, not a CAS: a parked fiber's one waker is the one that claimed its wait (us), and
+  // the fiber itself cannot move until we enqueue it.
+  f->state.store(FiberState::Runnable, std::memory_order_release);
+  Processor* p = current_processor();
+  if (p != nullptr && (f->pinned != nullptr ? f->pinned == p : &p->sched() == f->sched)) [[likely]] {
+    p->schedule_local(f);
+    return;
+  }
+  enqueue_foreign(f);
+}
+
+// unpark of a fiber found in state `s`, not Parked: one still switching away (Parking), or a
+// broken invariant.
+[[gnu::noinline]] void unpark_unparked(Fiber* f, FiberState s) noexcept {
+  if (s == FiberState::Parking) {
     Fiber* self = current_fiber();
     if (f == self) {
       // Woken in its own window (cancelling itself as it lists itself during stop(), or reaping
@@ -889,24 +917,21 @@ void unpark(Fiber* f) noexcept {
     // fd_end, under a descriptor's slot lock) wake fibers already past taking it.
     spin_until([f, &s] { return (s = f->state.load(std::memory_order_acquire)) != FiberState::Parking; });
   }
-  // A store, not a CAS: a parked fiber's one waker is the one that claimed its wait (us), and
-  // the fiber itself cannot move until we enqueue it.
   if (s != FiberState::Parked) [[unlikely]] f->bad_transition(s, FiberState::Parked, FiberState::Runnable);
-  f->state.store(FiberState::Runnable, std::memory_order_release);
-  Processor* p = current_processor();
-  if (f->pinned != nullptr && p == f->pinned) {
-    p->schedule_local(f);
-  } else if (f->pinned == nullptr && p != nullptr && &p->sched() == f->sched) {
-    p->schedule_local(f);
-  } else {
-    // From another thread: once published, `f` may finish and its scheduler stop before we
-    // are out of inject()/push_inbox(). Read everything first; stop() waits for the end mark.
-    SchedulerImpl* s = f->sched;
-    Processor* pinned = f->pinned;
-    s->foreign_wake_begin();
-    if (pinned != nullptr) pinned->push_inbox(f); else s->inject(f);
-    s->foreign_wake_end();
+  enqueue_woken(f);
+}
+
+}  // namespace
+
+// The common case in line (a parked fiber woken from its own scheduler's processor), the rest
+// out of it: the one function holding both saved and restored three registers on every wake.
+void unpark(Fiber* f) noexcept {
+  const FiberState s = f->state.load(std::memory_order_acquire);
+  if (s != FiberState::Parked) [[unlikely]] {
+    unpark_unparked(f, s);
+    return;
   }
+  enqueue_woken(f);
 }
 
 }  // namespace fiber::detail

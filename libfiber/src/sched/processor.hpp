@@ -141,7 +141,12 @@ class Processor {
   int64_t coarse_now_ns() const noexcept { return now_ns_.load(std::memory_order_relaxed); }
 
   // ---- Executed only by the owner thread (fiber or loop context).
-  void schedule_local(Fiber* f) noexcept;  // a woken or new fiber: LIFO slot
+  // A woken or new fiber: into the LIFO slot; the fiber it displaces goes to the queue. Inline:
+  // a channel ping-pong wakes twice per round trip, and the out-of-line version saved and
+  // restored three registers for its rare half.
+  void schedule_local(Fiber* f) noexcept {
+    if (Fiber* prev = lifo_.exchange(f)) [[unlikely]] requeue_displaced(prev);
+  }
   // unpark() called by a fiber that is parking itself (user code in its window: a CondVar's
   // lock's unlock()) for a fiber still parking on another thread: it may not wait for that
   // switch, which could be waiting for ours. Queued through `next` (a claimed fiber is in no
@@ -209,6 +214,8 @@ class Processor {
   template <bool kParking = false>
   Fiber* next_to_run_after(const Fiber* self) noexcept;  // yield/park/move/finish: see there
   [[gnu::noinline]] void wake_deferred_now() noexcept;
+  // schedule_local's other half: `prev`, put out of the LIFO slot, to the queue's tail.
+  [[gnu::noinline]] void requeue_displaced(Fiber* prev) noexcept;
   [[gnu::noinline]] Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
