@@ -401,10 +401,7 @@ template <bool kParking>
       // cache: a control block that needs a slab carved (mmap, populate) or malloc is the
       // loop's to make, after the switch. Out of memory, the loop reports it.
       Fiber* started = start_spawn_record(next, *this, kParking ? RecordStart::CacheOnly : RecordStart::Allocate);
-      if (started == nullptr) {
-        schedule_local(next);
-        return &loop_;
-      }
+      if (started == nullptr) return leave_to_loop(next);
       next = started;
     }
     if (next->pinned != nullptr && next->pinned != this) [[unlikely]] {
@@ -412,12 +409,16 @@ template <bool kParking>
       continue;
     }
     if ((next->ctx == nullptr && !prepare_first_run(next)) || is_compact(next)) [[unlikely]] {
-      schedule_local(next);
-      return &loop_;  // any group debt is settled there (release_finished, run, park_thread)
+      return leave_to_loop(next);  // any group debt is settled there (release_finished, run, park_thread)
     }
     settle_group_debt_before(next);
     return next;
   }
+}
+
+Fiber* Processor::leave_to_loop(Fiber* f) noexcept {
+  schedule_local(f);
+  return &loop_;
 }
 
 void Processor::yield_current(Processor* p) {

@@ -216,6 +216,9 @@ class Processor {
   [[gnu::noinline]] void wake_deferred_now() noexcept;
   // schedule_local's other half: `prev`, put out of the LIFO slot, to the queue's tail.
   [[gnu::noinline]] void requeue_displaced(Fiber* prev) noexcept;
+  // next_to_run_after's pick that the loop must run: to the LIFO slot; returns the loop. Out of
+  // line, so that the inline schedule_local costs the parking path no registers.
+  [[gnu::noinline]] Fiber* leave_to_loop(Fiber* f) noexcept;
   [[gnu::noinline]] Fiber* find_work_slow() noexcept;
   Fiber* next_local() noexcept;
   Fiber* take_lifo() noexcept;
