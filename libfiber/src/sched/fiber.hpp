@@ -141,8 +141,8 @@ struct Fiber {
   std::atomic<uint8_t> join_word{0};
   // Set (never cleared) by a cancel before it sets wake_word's cancel bit. A wait begins with
   // a plain store of wake_word, which could overwrite a bit set in the meantime; the fiber
-  // then finds this flag and sets the bit again (wait.cpp, waiter_prepare; runtime.cpp,
-  // fiber_cancel).
+  // then finds this flag and sets the bit again (sync/waiter_impl.hpp, prepare_wait;
+  // runtime.cpp, fiber_cancel).
   std::atomic<bool> cancel_requested{false};
   static constexpr uint8_t kJoinWaiting = 1;
   static constexpr uint8_t kJoinFinished = 2;

@@ -887,7 +887,7 @@ namespace {
 
 // unpark of a fiber found in state `s`, not Parked: one still switching away (Parking), or a
 // broken invariant.
-[[gnu::noinline]] void unpark_unparked(Fiber* f, FiberState s) noexcept {
+[[gnu::noinline]] void unpark_not_parked(Fiber* f, FiberState s) noexcept {
   if (s == FiberState::Parking) {
     Fiber* self = current_fiber();
     if (f == self) {
@@ -924,12 +924,13 @@ namespace {
 
 }  // namespace
 
-// The common case in line (a parked fiber woken from its own scheduler's processor), the rest
-// out of it: the one function holding both saved and restored three registers on every wake.
+// The common case in line (a parked fiber woken on a processor it may run on: its own
+// scheduler's, or the one it is pinned to), the rest out of it: before the split, the one
+// function holding both halves saved and restored three registers on every wake.
 void unpark(Fiber* f) noexcept {
   const FiberState s = f->state.load(std::memory_order_acquire);
   if (s != FiberState::Parked) [[unlikely]] {
-    unpark_unparked(f, s);
+    unpark_not_parked(f, s);
     return;
   }
   enqueue_woken(f);

@@ -141,9 +141,10 @@ class Processor {
   int64_t coarse_now_ns() const noexcept { return now_ns_.load(std::memory_order_relaxed); }
 
   // ---- Executed only by the owner thread (fiber or loop context).
-  // A woken or new fiber: into the LIFO slot; the fiber it displaces goes to the queue. Inline:
-  // a channel ping-pong wakes twice per round trip, and the out-of-line version saved and
-  // restored three registers for its rare half.
+  // A woken or new fiber: into the LIFO slot; the fiber it displaces goes to the back of the
+  // queue (queue_back: the ring, or the pinned list). Inline: a channel ping-pong wakes twice
+  // per round trip, and the out-of-line version saved and restored three registers for its
+  // rare half.
   void schedule_local(Fiber* f) noexcept {
     if (Fiber* prev = lifo_.exchange(f)) [[unlikely]] requeue_displaced(prev);
   }
@@ -214,7 +215,7 @@ class Processor {
   template <bool kParking = false>
   Fiber* next_to_run_after(const Fiber* self) noexcept;  // yield/park/move/finish: see there
   [[gnu::noinline]] void wake_deferred_now() noexcept;
-  // schedule_local's other half: `prev`, put out of the LIFO slot, to the queue's tail.
+  // schedule_local's other half: `prev`, put out of the LIFO slot, to the back of the queue.
   [[gnu::noinline]] void requeue_displaced(Fiber* prev) noexcept;
   // next_to_run_after's pick that the loop must run: to the LIFO slot; returns the loop. Out of
   // line, so that the inline schedule_local costs the parking path no registers.
