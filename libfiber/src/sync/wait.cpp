@@ -140,10 +140,8 @@ void waiter_abandon(Waiter& w) noexcept {
     w.state.store(static_cast<uint8_t>(WakeReason::Notified), std::memory_order_relaxed);
     return;
   }
-  if (waiter_claim(w, WakeReason::Notified)) {
-    // Claimed by ourselves: nobody will unpark us.
-    w.fiber->state.store(FiberState::Running, std::memory_order_release);
-    current_processor()->wake_deferred();  // our window has ended
+  if (claim_wait(w, WakeReason::Notified)) {
+    end_self_claimed_wait(w.fiber);
     return;
   }
   // A cancel (or a close) claimed it first and is about to unpark us: let that unpark land

@@ -97,14 +97,19 @@ inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending
   wake_thread_wait(w);
 }
 
+// The end of a wait that fiber `f` claimed itself, without switching: no waker will unpark it
+// (wakers that lost the claim do nothing), so it runs on, and its window has ended.
+inline void end_self_claimed_wait(Fiber* f) noexcept {
+  f->state.store(FiberState::Running, std::memory_order_release);
+  current_processor()->wake_deferred();  // the wakes it deferred in its window
+}
+
 // A fiber's wait until claimed (its timer, if any, already added).
 [[gnu::always_inline]] inline WakeReason fiber_wait(Waiter& w, ParkReason why) noexcept {
   Fiber* f = w.fiber;
   const WakeWord ww = WakeWord::unpack(f->wake_word.load(std::memory_order_acquire));
   if (ww.cancelled && !ww.shielded && claim_wait(w, WakeReason::Cancelled)) {
-    // Claimed by ourselves: no waker will unpark us. Wakers that lost do nothing.
-    f->state.store(FiberState::Running, std::memory_order_release);
-    current_processor()->wake_deferred();  // our window has ended
+    end_self_claimed_wait(f);
     return WakeReason::Cancelled;
   }
   Processor::park_current(why);
