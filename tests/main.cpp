@@ -1,7 +1,7 @@
 // The doctest entry point for fiber_tests. Every test source in unit/ and stress/ links into one
 // binary; `fiber_tests --test-case='*queue*'` runs a subset.
 //
-// FIBER_TESTS_NEED_SPIN=1 (ctest's fiber_tests_spin, which also sets FIBER_SPIN_US) runs the
+// FIBER_TESTS_NEED_SPIN=1 (ctest's fiber_tests_spin_*, which also set FIBER_SPIN_US) runs the
 // suite only where processors can spin before they sleep: with the epoll engine, or a ring
 // without IORING_SETUP_TASKRUN_FLAG, Scheduler::spin_before_sleep() is 0 and the run would
 // repeat plain fiber_tests. It then exits 77, which ctest reports as skipped.

@@ -3,8 +3,8 @@
 #
 #   tools/run-tests.sh [PRESET...]      presets from CMakePresets.json; default: release
 #
-# For every preset: cmake --preset P, cmake --build --preset P, then ctest --preset P once per I/O
-# engine: FIBER_IO=uring and FIBER_IO=epoll (set FIBER_TEST_ENGINES="uring" to run one). Where
+# For every preset: cmake --preset P, cmake --build --preset P, then ctest --preset P -j N
+# (FIBER_TEST_JOBS, default: CPUs + 1) once per I/O engine: FIBER_IO=uring and FIBER_IO=epoll (set FIBER_TEST_ENGINES="uring" to run one). Where
 # io_uring is unavailable the uring pass is skipped with a note (the runtime falls back to epoll
 # on its own, so it would only repeat the epoll pass). A failing preset does not stop the
 # remaining ones; the exit status is non-zero if any of them failed.
@@ -18,6 +18,9 @@ cd "$root"
 presets=("$@")
 [[ ${#presets[@]} -gt 0 ]] || presets=(release)
 jobs=$(nproc 2>/dev/null || echo 2)
+# Test processes side by side (ctest -j): most tests wait far more than they compute, so one
+# more than the CPUs keeps them busy (tests/CMakeLists.txt splits fiber_tests for this).
+test_jobs=${FIBER_TEST_JOBS:-$((jobs + 1))}
 
 # TSan shipped with GCC 12 cannot map its shadow memory when the kernel uses more than 28 bits
 # of mmap randomisation (the default on recent kernels); run TSan binaries without ASLR there.
@@ -68,7 +71,7 @@ for p in "${presets[@]}"; do
     extra=()
     [[ $e != "${engines[0]}" ]] && extra=(-LE install)
     log=$(mktemp)
-    if ! FIBER_IO=$e "${launcher[@]}" ctest --preset "$p" "${extra[@]}" 2>&1 | tee "$log"; then
+    if ! FIBER_IO=$e "${launcher[@]}" ctest --preset "$p" -j "$test_jobs" "${extra[@]}" 2>&1 | tee "$log"; then
       ok=0; failed+=("$p/$e"); results+=("$p FIBER_IO=$e: FAILED ($((SECONDS - start))s)")
       excerpt_failures "$p FIBER_IO=$e" "$log"
     fi
