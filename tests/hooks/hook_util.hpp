@@ -240,15 +240,21 @@ inline void send_with_fd(int sock, const char* data, size_t n, int fd) {
   REQUIRE(::syscall(SYS_sendmsg, sock, &msg.m, 0) == static_cast<long>(n));
 }
 
-// A loopback address nobody listens on (a port bound and released, never listened on).
-inline sockaddr_in refused_addr() {
-  Fd s(::socket(AF_INET, SOCK_STREAM, 0));
-  REQUIRE(s >= 0);
-  sockaddr_in a = loopback();
-  REQUIRE(::bind(s, sa(a), sizeof a) == 0);
-  socklen_t len = sizeof a;
-  REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  return a;  // s closes here; the port stays unused for the test's short life
+// A loopback address nobody listens on: `holder` stays bound to its port, never listening, so
+// a connect there is refused and no other process (the suites run side by side) can take the
+// port and accept the connect instead.
+struct RefusedAddr {
+  Fd holder;
+  sockaddr_in addr;
+};
+
+inline RefusedAddr refused_addr() {
+  RefusedAddr r{Fd(::socket(AF_INET, SOCK_STREAM, 0)), loopback()};
+  REQUIRE(r.holder >= 0);
+  REQUIRE(::bind(r.holder, sa(r.addr), sizeof r.addr) == 0);
+  socklen_t len = sizeof r.addr;
+  REQUIRE(::getsockname(r.holder, reinterpret_cast<sockaddr*>(&r.addr), &len) == 0);
+  return r;
 }
 
 // A listener whose accept queue is full (backlog 0 plus one queued connection, never accepted):

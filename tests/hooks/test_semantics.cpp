@@ -484,7 +484,8 @@ TEST_CASE("semantics: a negative SO_RCVTIMEO or SO_SNDTIMEO never waits, as the 
 
 TEST_CASE("semantics: connect refused gives ECONNREFUSED, also from many fibers on several processors") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
-    const sockaddr_in nobody = refused_addr();
+    const RefusedAddr held = refused_addr();
+    const sockaddr_in nobody = held.addr;
     std::vector<fiber::JoinHandle<Res>> hs;
     for (int i = 0; i < 32; ++i) {
       hs.push_back(fiber::spawn({.scheduler = &s}, [&nobody] {
@@ -665,7 +666,8 @@ TEST_CASE("semantics: setsockopt and getsockopt pass through") {
 // seen at least a few calls that changed threads (bounded).
 TEST_CASE("semantics: errno is right after a park and after a migration") {
   for_each_proc_count([](fiber::Scheduler& s, int n) {
-    const sockaddr_in nobody = refused_addr();
+    const RefusedAddr held = refused_addr();
+    const sockaddr_in nobody = held.addr;
     std::atomic<int> migrated{0}, checked{0}, wrong{0};
     std::atomic<bool> stop{false};
     std::vector<fiber::JoinHandle<void>> hs;
@@ -739,7 +741,8 @@ TEST_CASE("semantics: errno is right after a park and after a migration") {
 // every close must close (0): nothing may leak.
 TEST_CASE("semantics: a descriptor number reused right after close works at once") {
   for_each_proc_count([](fiber::Scheduler& s, int) {
-    const sockaddr_in nobody = refused_addr();
+    const RefusedAddr held = refused_addr();
+    const sockaddr_in nobody = held.addr;
     const int open_before = open_fds();
     std::atomic<int> stray_ebadf{0}, bad_close{0}, other{0};
     std::vector<fiber::JoinHandle<void>> hs;
@@ -1512,7 +1515,8 @@ TEST_CASE("semantics: a MSG_FASTOPEN send on a blocking socket connects, then wr
     const size_t n = 4 << 20;  // more than the socket buffers hold: the rest waits for room
     std::vector<char> big(n);
     for (size_t k = 0; k < n; ++k) big[k] = static_cast<char>(k * 7);  // drain's pattern
-    const sockaddr_in nobody = refused_addr();
+    const RefusedAddr held = refused_addr();
+    const sockaddr_in nobody = held.addr;
     for (const bool no_cookie : {false, true}) {
       for (const bool use_sendmsg : {false, true}) {
         CAPTURE(no_cookie);

@@ -512,7 +512,8 @@ TEST_CASE("surface: connect from a fiber: success, refusal, non-blocking, and a 
                   "connect on a connected socket: " << again.r << " errno " << err_str(again.e));
 
     // Refused.
-    const sockaddr_in nobody = refused_addr();
+    const RefusedAddr held = refused_addr();
+    const sockaddr_in nobody = held.addr;
     Fd r(::socket(AF_INET, SOCK_STREAM, 0));
     auto refused = call([&] { return ::connect(r, sa(nobody), sizeof nobody); });
     CHECK_MESSAGE((refused.r == -1 && refused.e == ECONNREFUSED),
@@ -981,7 +982,8 @@ TEST_CASE("surface, plain thread: accept, connect, poll, select, sleeps and name
     const Res a = call([&] { return ::accept4(nbl.fd, nullptr, nullptr, 0); });
     CHECK((a.r == -1 && a.e == EAGAIN));
 
-    const sockaddr_in nobody = refused_addr();
+    const RefusedAddr held = refused_addr();
+    const sockaddr_in nobody = held.addr;
     Fd r(::socket(AF_INET, SOCK_STREAM, 0));
     const Res ref = call([&] { return ::connect(r, sa(nobody), sizeof nobody); });
     CHECK((ref.r == -1 && ref.e == ECONNREFUSED));
