@@ -59,6 +59,7 @@ done
 # The targets side by side: each fuzzer is one process on one CPU.
 echo "==== fuzz ${targets[*]}: ${seconds}s, side by side"
 pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT  # stopped early, the script stops its fuzzers
 for t in "${targets[@]}"; do
   fuzz_one "$t" &
   pids+=($!)

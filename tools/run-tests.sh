@@ -4,9 +4,10 @@
 #   tools/run-tests.sh [PRESET...]      presets from CMakePresets.json; default: release
 #
 # For every preset: cmake --preset P, cmake --build --preset P, then ctest --preset P -j N
-# (FIBER_TEST_JOBS, default: CPUs + 1) once per I/O engine: FIBER_IO=uring and FIBER_IO=epoll (set FIBER_TEST_ENGINES="uring" to run one). Where
-# io_uring is unavailable the uring pass is skipped with a note (the runtime falls back to epoll
-# on its own, so it would only repeat the epoll pass). A failing preset does not stop the
+# (FIBER_TEST_JOBS, default: CPUs + 1) once per I/O engine: FIBER_IO=uring and FIBER_IO=epoll
+# (set FIBER_TEST_ENGINES="uring" to run one). Where io_uring is unavailable the uring pass is
+# skipped with a note (the runtime falls back to epoll on its own, so it would only repeat the
+# epoll pass). A failing preset does not stop the
 # remaining ones; the exit status is non-zero if any of them failed.
 set -euo pipefail
 
