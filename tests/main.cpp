@@ -5,7 +5,6 @@
 // suite only where processors can spin before they sleep: with the epoll engine, or a ring
 // without IORING_SETUP_TASKRUN_FLAG, Scheduler::spin_before_sleep() is 0 and the run would
 // repeat plain fiber_tests. It then exits 77, which ctest reports as skipped.
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <fiber/scheduler.hpp>

@@ -5,5 +5,6 @@
 // Test suites: "hooked" needs the hook in effect, "unhooked" needs it absent, "any" holds in
 // every mode. FIBER_HOOK_TEST_MODE=linked|preload|none (set by ctest) is checked against the
 // mode actually in effect, so a preload that silently failed cannot pass as hooked.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
+
+int main(int argc, char** argv) { return doctest::Context(argc, argv).run(); }

@@ -1,3 +1,4 @@
 // The doctest entry point of each integration_<name> program (see CMakeLists.txt).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
+
+int main(int argc, char** argv) { return doctest::Context(argc, argv).run(); }
