@@ -22,6 +22,10 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # Test processes side by side (ctest -j): most tests wait far more than they compute, so one
 # more than the CPUs keeps them busy (tests/CMakeLists.txt splits fiber_tests for this).
 test_jobs=${FIBER_TEST_JOBS:-$((jobs + 1))}
+if ! [[ $test_jobs =~ ^[1-9][0-9]*$ ]]; then
+  echo "run-tests: FIBER_TEST_JOBS must be a positive number of test processes, not '$test_jobs'" >&2
+  exit 2
+fi
 
 # TSan shipped with GCC 12 cannot map its shadow memory when the kernel uses more than 28 bits
 # of mmap randomisation (the default on recent kernels); run TSan binaries without ASLR there.
