@@ -21,7 +21,9 @@ declare -A sources=(
   [http]="$root/samples/http/http_parser.cpp"
   [resp]="$root/samples/redis/resp.cpp"
 )
-targets=("$@")
+# Each target once, in the order given: two runs of one target would share its directory.
+targets=()
+for t in "$@"; do [[ " ${targets[*]} " == *" $t "* ]] || targets+=("$t"); done
 [[ ${#targets[@]} -gt 0 ]] || targets=(http resp)
 
 "$root/tools/setup-deps.sh"  # clang and its libFuzzer runtime (idempotent, silent when present)
@@ -73,7 +75,7 @@ for t in "${targets[@]}"; do
     echo "fuzz $t: FAILED (input saved in $dir)" >&2
     status=1
   else
-    grep -E '^stat::(number_of_executed_units|new_units_added)' "$dir/log" | sed "s/^/  $t /"
+    { grep -E '^stat::(number_of_executed_units|new_units_added)' "$dir/log" || true; } | sed "s/^/  $t /"
     echo "  $t corpus: $(ls "$dir/corpus" | wc -l) inputs"
   fi
 done
