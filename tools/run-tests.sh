@@ -7,14 +7,12 @@
 # (FIBER_TEST_JOBS, default: CPUs + 1) once per I/O engine: FIBER_IO=uring and FIBER_IO=epoll
 # (set FIBER_TEST_ENGINES="uring" to run one). Where io_uring is unavailable the uring pass is
 # skipped with a note (the runtime falls back to epoll on its own, so it would only repeat the
-# epoll pass). A failing preset does not stop the
-# remaining ones; the exit status is non-zero if any of them failed.
+# epoll pass). A failing preset does not stop the remaining ones; the exit status is non-zero
+# if any of them failed.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-
-"$root/tools/setup-deps.sh"
 
 presets=("$@")
 [[ ${#presets[@]} -gt 0 ]] || presets=(release)
@@ -26,6 +24,8 @@ if ! [[ $test_jobs =~ ^[1-9][0-9]*$ ]]; then
   echo "run-tests: FIBER_TEST_JOBS must be a positive number of test processes, not '$test_jobs'" >&2
   exit 2
 fi
+
+"$root/tools/setup-deps.sh"
 
 # TSan shipped with GCC 12 cannot map its shadow memory when the kernel uses more than 28 bits
 # of mmap randomisation (the default on recent kernels); run TSan binaries without ASLR there.
