@@ -187,6 +187,9 @@ class FIBER_API ChanBase {
   bool closed() const noexcept;
   std::size_t size() const noexcept;
   std::size_t capacity() const noexcept { return cap_; }
+  // Snapshots of the lock's bias (BiasedLock, fiber/detail/wait.hpp), for tests and debugging.
+  bool lock_is_biased() const noexcept { return mu_.biased(); }
+  bool lock_was_revoked() const noexcept { return mu_.revoked(); }
 
   // ---- for select (src/sync/select.cpp), inside the library only (hidden: direct calls that
   // the compiler may inline, no PLT); mu_ held.
@@ -207,7 +210,7 @@ class FIBER_API ChanBase {
   const ElemOps* const ops_;
   const std::size_t cap_;
   unsigned char* const buf_;  // cap_ slots of T; [head_, head_ + count_) mod cap_ are live
-  mutable SpinLock mu_;
+  mutable BiasedLock mu_;
   std::size_t head_ = 0;      // GUARDED_BY(mu_)
   std::size_t count_ = 0;     // GUARDED_BY(mu_)
   bool closed_ = false;       // GUARDED_BY(mu_)

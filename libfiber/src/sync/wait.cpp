@@ -188,6 +188,30 @@ WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_cloc
   return r;
 }
 
+// ------------------------------------------------------------------------------ biased lock
+
+void BiasedLock::lock_slow(uintptr_t me) noexcept {
+  while (locked_.exchange(true, std::memory_order_acquire)) {
+    spin_until([this] { return !locked_.load(std::memory_order_relaxed); });
+  }
+  const uintptr_t owner = owner_.load(std::memory_order_relaxed);  // only locked_'s holders write it
+  if (owner == kUnbiased) {
+    if (last_ != me) {
+      last_ = me;
+      streak_ = 1;
+    } else if (++streak_ == kBiasAfter && me != 0 && membarrier_available()) {
+      owner_.store(me, std::memory_order_relaxed);  // published by our unlock of locked_
+    }
+  } else if (owner != kRevoked && owner != me) {
+    // Biased to another thread, which may be in a plain section now.
+    owner_.store(kRevoked, std::memory_order_relaxed);
+    // Refused only in a child forked after registering, whose other threads are gone: no
+    // owner is left to race with.
+    if (!membarrier_heavy()) full_fence();
+    spin_until([this] { return !busy_.load(std::memory_order_acquire); });
+  }
+}
+
 // ------------------------------------------------------------------------------ names
 
 const char* park_reason_name(ParkReason r) noexcept {
