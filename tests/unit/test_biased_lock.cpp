@@ -2,10 +2,11 @@
 // and again takes with plain loads and stores, until another thread revokes that for good.
 //
 //   1. When it biases: kBiasAfter locks in a row by one thread, not one fewer; never while
-//      threads alternate; never again once revoked.
-//   2. Stress: a lock biased to one thread, then taken by it and by others at once, many times
-//      over (a fresh lock each round, so every round races a revocation against the owner's plain
-//      sections): no two critical sections overlap and no increment is lost, counted.
+//      threads alternate; never again once revoked (two cases).
+//   2. Stress: locks biased to one thread, then taken by it and by others at once, with a
+//      revocation on each lock racing the owner's plain sections: no two critical sections
+//      overlap and no increment is lost, counted. Then the same with membarrier(2) refused at
+//      revocation (a test hook), which takes the fallback's path.
 //   3. Through a channel: one biased to the processor that used it alone, then fed and drained by
 //      plain threads and by fibers of two schedulers at once: every value arrives exactly once.
 //
@@ -83,48 +84,104 @@ TEST_CASE("BiasedLock: a streak broken by another thread starts over") {
   CHECK(l.biased());
 }
 
-TEST_CASE("BiasedLock: stress, the owner's plain sections against revoking threads, counted") {
-  const int rounds = fiber_test::kSanitized ? 40 : 300;
-  const int threads = 3;
-  const int per_thread = fiber_test::kSanitized ? 300 : 3000;
-  const bool can_bias = fiber::detail::membarrier_available();
-  int biased_rounds = 0;
-  for (int round = 0; round < rounds; ++round) {
-    BiasedLock l;
-    long counter = 0;           // guarded by l; updated with a gap so overlaps lose updates
-    std::atomic<int> inside{0};  // sections in progress: more than one is an overlap
-    std::atomic<int> overlaps{0};
-    auto section = [&] {
-      l.lock();
-      if (inside.fetch_add(1, std::memory_order_relaxed) != 0) overlaps.fetch_add(1, std::memory_order_relaxed);
-      const long v = counter;
-      for (int k = 0; k < 8; ++k) __builtin_ia32_pause();
-      counter = v + 1;
-      inside.fetch_sub(1, std::memory_order_relaxed);
-      l.unlock();
-    };
-    std::atomic<bool> start{false};
-    std::thread owner([&] {
-      for (uint32_t i = 0; i < BiasedLock::kBiasAfter; ++i) section();
-      start.store(true, std::memory_order_release);
-      for (int i = 0; i < per_thread; ++i) section();
-    });
-    std::vector<std::thread> others;
-    for (int t = 0; t < threads - 1; ++t) {
-      others.emplace_back([&] {
-        while (!start.load(std::memory_order_acquire)) std::this_thread::yield();
-        for (int i = 0; i < per_thread; ++i) section();
-      });
+namespace {
+
+// A barrier for a few threads that spins briefly before it yields, so that they leave it close
+// together.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      gen_.store(gen + 1, std::memory_order_release);
+      return;
     }
-    // Biased as the others start (unless it could not be), revoked once they have all run.
-    owner.join();
-    for (auto& t : others) t.join();
-    REQUIRE(overlaps.load() == 0);
-    REQUIRE(counter == static_cast<long>(BiasedLock::kBiasAfter) + static_cast<long>(threads) * per_thread);
-    if (l.revoked()) ++biased_rounds;
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 4096) {
+        __builtin_ia32_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
   }
-  // Every round biased the lock to its owner (the others start only then) and revoked it.
-  if (can_bias) CHECK(biased_rounds == rounds);
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> gen_{0};
+};
+
+// kLocks locks in turn: the owner thread biases one (kBiasAfter sections), then it and two other
+// threads, released together, take it `passes` times each, so the others' first sections (one
+// revokes) race the owner's plain ones. Every critical section checks it is alone and
+// increments the lock's counter with a gap (a read, a pause, a write), so overlapping sections
+// both fail the check and lose an increment. Returns how many locks were biased and then
+// revoked (all of them where membarrier works).
+int stress_revocations(int rounds, int passes) {
+  constexpr int kLocks = 32;
+  constexpr int kThreads = 3;
+  // The gap: about a microsecond, as long as a revocation's membarrier, so that a revoker that
+  // did not wait for the owner would find it still inside.
+  constexpr int kGap = 64;
+  int revoked = 0;
+  for (int round = 0; round < rounds; ++round) {
+    struct Guarded {
+      BiasedLock lock;
+      long counter = 0;           // guarded by lock
+      std::atomic<int> inside{0};  // sections in progress
+    };
+    std::vector<Guarded> g(kLocks);
+    std::atomic<int> overlaps{0};
+    auto section = [&](Guarded& x) {
+      x.lock.lock();
+      if (x.inside.fetch_add(1, std::memory_order_relaxed) != 0) overlaps.fetch_add(1, std::memory_order_relaxed);
+      const long v = x.counter;
+      for (int k = 0; k < kGap; ++k) __builtin_ia32_pause();
+      x.counter = v + 1;
+      x.inside.fetch_sub(1, std::memory_order_relaxed);
+      x.lock.unlock();
+    };
+    SpinBarrier barrier(kThreads);
+    auto run = [&](bool is_owner) {
+      for (auto& x : g) {
+        if (is_owner) {
+          for (uint32_t i = 0; i < BiasedLock::kBiasAfter; ++i) section(x);
+        }
+        barrier.arrive_and_wait();
+        for (int p = 0; p < passes; ++p) section(x);
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) threads.emplace_back(run, t == 0);
+    for (auto& t : threads) t.join();
+    REQUIRE(overlaps.load() == 0);
+    for (auto& x : g) {
+      REQUIRE(x.counter == static_cast<long>(BiasedLock::kBiasAfter) + static_cast<long>(kThreads) * passes);
+      if (x.lock.revoked()) ++revoked;
+    }
+  }
+  return revoked;
+}
+
+}  // namespace
+
+TEST_CASE("BiasedLock: stress: the owner's plain sections against revoking threads (counted)") {
+  const int rounds = fiber_test::kSanitized ? 20 : 150;
+  const int revoked = stress_revocations(rounds, fiber_test::kSanitized ? 20 : 60);
+  // Every lock was biased to its owner (the others start only then) and revoked.
+  if (fiber::detail::membarrier_available()) CHECK(revoked == rounds * 32);
+}
+
+TEST_CASE("BiasedLock: stress: membarrier refused at revocation (counted)") {
+  // A revocation that finds membarrier(2) refused (a seccomp filter installed after the process
+  // registered) waits out the owner's store buffer instead, and still excludes it.
+  fiber::detail::refuse_revoke_fences.store(1);
+  const int rounds = fiber_test::kSanitized ? 3 : 10;
+  const int revoked = stress_revocations(rounds, 20);
+  fiber::detail::refuse_revoke_fences.store(0);
+  if (fiber::detail::membarrier_available()) CHECK(revoked == rounds * 32);
 }
 
 TEST_CASE("BiasedLock: a channel biased to one processor, then used by threads and two schedulers at once") {

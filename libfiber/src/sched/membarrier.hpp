@@ -5,6 +5,8 @@
 // word (monitor.hpp) and the yield slot (owner_slot.hpp).
 #pragma once
 
+#include <atomic>
+
 namespace fiber::detail {
 
 // Registers the process for private expedited membarriers, once (thread-safe). False where the
@@ -14,5 +16,9 @@ bool membarrier_available() noexcept;
 bool membarrier_heavy() noexcept;
 // A full fence, for sides that cannot rely on membarrier.
 void full_fence() noexcept;
+
+// Test hook: while nonzero, BiasedLock's revocations (sync/wait.cpp) take their path for a
+// membarrier refused after registration, as after a seccomp filter installed since.
+inline std::atomic<int> refuse_revoke_fences{0};
 
 }  // namespace fiber::detail

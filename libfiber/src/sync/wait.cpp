@@ -15,11 +15,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <thread>
 #include <vector>
 
 #include "fiber/detail/wait.hpp"
@@ -190,6 +192,19 @@ WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_cloc
 
 // ------------------------------------------------------------------------------ biased lock
 
+namespace {
+// Registered (the lock was biased only if membarrier_available()), so this succeeds but for a
+// transient refusal (the kernel's cpumask allocation) or a seccomp filter installed since: a
+// few tries.
+bool revoke_fence() noexcept {
+  for (int i = 0; i < 64; ++i) {
+    if (refuse_revoke_fences.load(std::memory_order_relaxed) == 0 && membarrier_heavy()) return true;
+    std::this_thread::yield();
+  }
+  return false;
+}
+}  // namespace
+
 void BiasedLock::lock_slow(uintptr_t me) noexcept {
   while (locked_.exchange(true, std::memory_order_acquire)) {
     spin_until([this] { return !locked_.load(std::memory_order_relaxed); });
@@ -205,9 +220,13 @@ void BiasedLock::lock_slow(uintptr_t me) noexcept {
   } else if (owner != kRevoked && owner != me) {
     // Biased to another thread, which may be in a plain section now.
     owner_.store(kRevoked, std::memory_order_relaxed);
-    // Refused only in a child forked after registering, whose other threads are gone: no
-    // owner is left to race with.
-    if (!membarrier_heavy()) full_fence();
+    if (!revoke_fence()) [[unlikely]] {
+      // Refused: the owner's busy_ = true may still sit in its store buffer, after a load that
+      // found it still the owner. A store buffer drains in far less than this; then the wait
+      // below sees it (the reasoning of fiber_cancel's refused fence).
+      full_fence();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
     spin_until([this] { return !busy_.load(std::memory_order_acquire); });
   }
 }

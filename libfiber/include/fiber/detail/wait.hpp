@@ -20,6 +20,10 @@
 
 #include "fiber/config.hpp"
 
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace fiber::detail {
 
 struct Fiber;
@@ -205,8 +209,8 @@ class SpinLock {
 // more than without the clobber, which would only be volatile).
 //
 // Invariants: owner_ goes kUnbiased -> a thread (by that thread, holding locked_) -> kRevoked
-// (by another, holding locked_), never back; no thread token equals either sentinel; the owner's plain sections and everyone's locked_
-// sections never overlap; held_plain_ is true exactly while the owner is in a plain section.
+// (by another, holding locked_), never back; no thread token equals either sentinel; no two
+// critical sections overlap (the revoker holds locked_ while it waits out the owner's last); held_plain_ is true exactly while the owner is in a plain section.
 // The same contract as SpinLock: held for a few instructions, never across a switch.
 class BiasedLock {
  public:
@@ -217,6 +221,7 @@ class BiasedLock {
       std::atomic_signal_fence(std::memory_order_seq_cst);  // the revoker's membarrier is the fence
       if (owner_.load(std::memory_order_relaxed) == me) [[likely]] {
         held_plain_ = true;
+        tsan_acquire();
         return;
       }
       busy_.store(false, std::memory_order_release);
@@ -226,19 +231,18 @@ class BiasedLock {
   void unlock() noexcept {
     if (held_plain_) [[likely]] {
       held_plain_ = false;
+      tsan_release();
       busy_.store(false, std::memory_order_release);  // pairs with the revoker's wait
       return;
     }
     locked_.store(false, std::memory_order_release);
   }
-  // Different on each live thread, and never kUnbiased or kRevoked; 0 on every thread where no
-  // thread pointer can be read (then nothing is biased: lock_slow() never makes 0 the owner).
+  // Different on each live thread, and never kUnbiased or kRevoked; 0 on every thread off
+  // x86-64 (then nothing is biased: lock_slow() never makes 0 the owner).
   static uintptr_t thread_token() noexcept {
     uintptr_t t = 0;
 #if defined(__x86_64__)
     asm volatile("mov %%fs:0, %0" : "=r"(t) : : "memory");
-#elif defined(__aarch64__)
-    asm volatile("mrs %0, tpidr_el0" : "=r"(t) : : "memory");
 #endif
     return t;
   }
@@ -255,6 +259,17 @@ class BiasedLock {
   static constexpr uintptr_t kRevoked = 1;
   static constexpr uintptr_t kUnbiased = 2;
   FIBER_API void lock_slow(uintptr_t me) noexcept;
+  // For TSan, the owner's plain sections are a mutex's: a thread that reuses a dead owner's
+  // thread pointer (glibc's stack cache) inherits the bias, ordered after the owner's last
+  // section by glibc's stack-cache lock, which TSan does not see. The revoker's side needs no
+  // annotation: its acquire of busy_ is a real one, which TSan checks.
+#if defined(__SANITIZE_THREAD__)
+  void tsan_acquire() noexcept { __tsan_acquire(&busy_); }
+  void tsan_release() noexcept { __tsan_release(&busy_); }
+#else
+  void tsan_acquire() noexcept {}
+  void tsan_release() noexcept {}
+#endif
 
   std::atomic<uintptr_t> owner_{kUnbiased};  // see the invariants
   std::atomic<bool> locked_{false};  // the SpinLock everyone but the owner takes
