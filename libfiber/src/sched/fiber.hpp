@@ -261,10 +261,31 @@ Fiber* start_spawn_record(Fiber* tagged, Processor& p, RecordStart how) noexcept
 // Test hook: while positive, that many record starts (counted down) behave as out of memory.
 inline std::atomic<int> refuse_record_starts{0};
 
-// The current processor and fiber of this thread. Read through these non-inlined accessors
-// only: a fiber may resume on another thread after any switch, and the compiler may otherwise
-// keep a thread_local's address cached across the call that switched (invariant 3).
+}  // namespace fiber::detail
+// The thread's processor slot (processor.cpp), named in C so that current_processor() can name
+// it in its asm. Read it only through current_processor().
+extern "C" {
+extern __thread fiber::detail::Processor* fiber_detail_t_processor
+    __attribute__((tls_model("initial-exec"), visibility("hidden")));
+}
+namespace fiber::detail {
+
+// The current processor and fiber of this thread, read afresh on every call: a fiber may resume
+// on another thread after any switch, and the compiler may otherwise keep a thread_local's
+// address cached across the call that switched (invariant 3). current_processor() is inline
+// on x86-64, as the initial-exec load the compiler would emit itself but in asm volatile with a
+// memory clobber, which the compiler neither reuses nor moves across a call (pingpong_1t: 837
+// to 811 instructions per round trip with prepare_wait's current_fiber() inline too); it is a
+// call elsewhere. current_fiber() is a call (Processor::running_fiber() is its inline body).
+#if defined(__x86_64__)
+[[gnu::always_inline]] inline Processor* current_processor() noexcept {
+  Processor* p;
+  asm volatile("movq fiber_detail_t_processor@gottpoff(%%rip), %0\n\tmovq %%fs:(%0), %0" : "=r"(p) : : "memory");
+  return p;
+}
+#else
 Processor* current_processor() noexcept;
+#endif
 Fiber* current_fiber() noexcept;
 void set_current_processor(Processor* p) noexcept;
 

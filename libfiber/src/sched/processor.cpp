@@ -32,26 +32,25 @@
 #include "sched/runtime.hpp"
 #include "sched/scheduler_impl.hpp"
 
+// This thread's processor (current_processor() in sched/fiber.hpp), or nullptr. Initial-exec
+// (fiber.hpp's declaration): a %fs-relative load instead of a __tls_get_addr call.
+// `used`: on x86-64 only asm reads it, and GCC may drop or rename a variable that only asm names.
+__attribute__((used, tls_model("initial-exec"), visibility("hidden"))) __thread fiber::detail::Processor*
+    fiber_detail_t_processor = nullptr;
 namespace fiber::detail {
 
-namespace {
-// initial-exec: a %fs-relative load instead of a __tls_get_addr call on every switch.
-__attribute__((tls_model("initial-exec"))) thread_local Processor* t_processor = nullptr;
-}  // namespace
-
+#if !defined(__x86_64__)
 // Non-inlined on purpose (invariant 3): each call reads this thread's slot afresh.
 __attribute__((noinline)) Processor* current_processor() noexcept {
   asm volatile("" ::: "memory");
-  return t_processor;
+  return fiber_detail_t_processor;
 }
+#endif
 __attribute__((noinline)) Fiber* current_fiber() noexcept {
-  asm volatile("" ::: "memory");
-  Processor* p = t_processor;
-  if (p == nullptr) return nullptr;
-  Fiber* f = p->current();
-  return f->is_loop ? nullptr : f;
+  Processor* p = current_processor();
+  return p != nullptr ? p->running_fiber() : nullptr;
 }
-__attribute__((noinline)) void set_current_processor(Processor* p) noexcept { t_processor = p; }
+__attribute__((noinline)) void set_current_processor(Processor* p) noexcept { fiber_detail_t_processor = p; }
 
 Processor::Processor(SchedulerImpl& sched, uint32_t index, bool retirable)
     : sched_(sched),

@@ -89,6 +89,11 @@ class Processor {
   SchedulerImpl& sched() const noexcept { return sched_; }
   // The fiber running now, or loop_fiber(). Owner: exact. Others: a racy snapshot, see below.
   Fiber* current() const noexcept { return current_.load(std::memory_order_relaxed); }
+  // The same, but nullptr while the loop runs: what current_fiber() returns on this thread.
+  Fiber* running_fiber() const noexcept {
+    Fiber* f = current();
+    return f->is_loop ? nullptr : f;
+  }
   RunQueue::Stealer stealer() const noexcept { return stealer_; }
   TimerQueue& timers() noexcept { return timers_; }
   Poller& poller() noexcept { return *poller_; }

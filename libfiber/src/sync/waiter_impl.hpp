@@ -31,7 +31,8 @@ inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending
 
 // waiter_prepare / waiter_prepare_shielded.
 [[gnu::always_inline]] inline void prepare_wait(Waiter& w, bool shielded) noexcept {
-  Fiber* f = current_fiber();
+  Processor* p = current_processor();
+  Fiber* f = p != nullptr ? p->running_fiber() : nullptr;  // current_fiber(), inline
   w.fiber = f;
   w.next = w.prev = nullptr;
   if (f == nullptr) {
