@@ -210,8 +210,9 @@ class SpinLock {
 //
 // Invariants: owner_ goes kUnbiased -> a thread (by that thread, holding locked_) -> kRevoked
 // (by another, holding locked_), never back; no thread token equals either sentinel; no two
-// critical sections overlap (the revoker holds locked_ while it waits out the owner's last); held_plain_ is true exactly while the owner is in a plain section.
-// The same contract as SpinLock: held for a few instructions, never across a switch.
+// critical sections overlap (the revoker holds locked_ while it waits out the owner's last);
+// held_plain_ is true exactly while the owner is in a plain section. The same contract as
+// SpinLock: held for a few instructions, never across a switch.
 class BiasedLock {
  public:
   void lock() noexcept {
