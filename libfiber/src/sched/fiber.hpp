@@ -272,11 +272,13 @@ namespace fiber::detail {
 
 // The current processor and fiber of this thread, read afresh on every call: a fiber may resume
 // on another thread after any switch, and the compiler may otherwise keep a thread_local's
-// address cached across the call that switched (invariant 3). current_processor() is inline
-// on x86-64, as the initial-exec load the compiler would emit itself but in asm volatile with a
-// memory clobber, which the compiler neither reuses nor moves across a call (pingpong_1t: 837
-// to 811 instructions per round trip with prepare_wait's current_fiber() inline too); it is a
-// call elsewhere. current_fiber() is a call (Processor::running_fiber() is its inline body).
+// address cached across the call that switched (invariant 3). The slot is this thread's own
+// and never shared, so this is about the compiler, not about ordering between threads: on
+// x86-64 current_processor() is inline, the initial-exec load the compiler would emit itself,
+// in asm whose memory clobber makes it a compiler barrier, so the compiler neither reuses the
+// value nor moves the load across a call (pingpong_1t: 837 to 806 instructions per round trip,
+// with prepare_wait's current_fiber() inline too); elsewhere it is a call. current_fiber() is
+// a call (Processor::running_fiber() is its inline body).
 #if defined(__x86_64__)
 [[gnu::always_inline]] inline Processor* current_processor() noexcept {
   Processor* p;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <thread>
 
 #if __has_include(<linux/membarrier.h>)
 #include <linux/membarrier.h>
@@ -27,6 +28,14 @@ bool membarrier_heavy() noexcept { return ::syscall(SYS_membarrier, MEMBARRIER_C
 bool membarrier_available() noexcept { return false; }
 bool membarrier_heavy() noexcept { return false; }
 #endif
+
+bool membarrier_heavy_retrying() noexcept {
+  for (int i = 0; i < 64; ++i) {
+    if (membarrier_heavy()) return true;
+    std::this_thread::yield();
+  }
+  return false;
+}
 
 void full_fence() noexcept {
 #if defined(__GNUC__) && !defined(__clang__)

@@ -14,6 +14,9 @@ namespace fiber::detail {
 bool membarrier_available() noexcept;
 // The heavy side. False if the kernel refused (then the light sides were not fenced).
 bool membarrier_heavy() noexcept;
+// The same, for a registered process: that succeeds but for a transient refusal (the kernel's
+// cpumask allocation) or a seccomp filter installed since, so a few tries, yielding between.
+bool membarrier_heavy_retrying() noexcept;
 // A full fence, for sides that cannot rely on membarrier.
 void full_fence() noexcept;
 

@@ -665,13 +665,7 @@ void fiber_cancel_mark(Fiber* f) noexcept { f->cancel_requested.store(true, std:
 
 bool fiber_cancel_fence() noexcept {
   if (!plain_wait_start()) return true;  // waits start with a CAS: the fetch_or cannot be lost
-  // Registered, so this succeeds but for a transient refusal (the kernel's cpumask allocation)
-  // or a seccomp filter installed since; a few tries, then the caller does without.
-  for (int i = 0; i < 64; ++i) {
-    if (membarrier_heavy()) return true;
-    std::this_thread::yield();
-  }
-  return false;
+  return membarrier_heavy_retrying();  // refused: the caller does without
 }
 
 void fiber_cancel(Fiber* f) noexcept {

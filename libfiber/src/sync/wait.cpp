@@ -192,23 +192,8 @@ WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_cloc
 
 // ------------------------------------------------------------------------------ biased lock
 
-namespace {
-// Registered (the lock was biased only if membarrier_available()), so this succeeds but for a
-// transient refusal (the kernel's cpumask allocation) or a seccomp filter installed since: a
-// few tries.
-bool revoke_fence() noexcept {
-  for (int i = 0; i < 64; ++i) {
-    if (refuse_revoke_fences.load(std::memory_order_relaxed) == 0 && membarrier_heavy()) return true;
-    std::this_thread::yield();
-  }
-  return false;
-}
-}  // namespace
-
 void BiasedLock::lock_slow(uintptr_t me) noexcept {
-  while (locked_.exchange(true, std::memory_order_acquire)) {
-    spin_until([this] { return !locked_.load(std::memory_order_relaxed); });
-  }
+  locked_.lock();
   const uintptr_t owner = owner_.load(std::memory_order_relaxed);  // only locked_'s holders write it
   if (owner == kUnbiased) {
     if (last_ != me) {
@@ -220,7 +205,9 @@ void BiasedLock::lock_slow(uintptr_t me) noexcept {
   } else if (owner != kRevoked && owner != me) {
     // Biased to another thread, which may be in a plain section now.
     owner_.store(kRevoked, std::memory_order_relaxed);
-    if (!revoke_fence()) [[unlikely]] {
+    // Biased only if membarrier_available(): registered. (The test hook plays a refusal.)
+    const bool fenced = refuse_revoke_fences.load(std::memory_order_relaxed) == 0 && membarrier_heavy_retrying();
+    if (!fenced) [[unlikely]] {
       // Refused: the owner's busy_ = true may still sit in its store buffer, after a load that
       // found it still the owner. A store buffer drains in far less than this; then the wait
       // below sees it (the reasoning of fiber_cancel's refused fence).

@@ -203,10 +203,13 @@ class SpinLock {
 // the membarrier: either the owner's busy_ = true is visible after it, so the revoker waits
 // for that critical section to end (release/acquire on busy_), or the owner's later load sees
 // kRevoked and it takes locked_ like everyone else. Without membarrier(2) nothing is biased.
-// A thread is told apart by its thread pointer (%fs:0, glibc's TCB), read afresh on every
-// lock (invariant 3): asm volatile with a memory clobber, which the compiler neither reuses
-// nor moves across the call in which a fiber switched threads (5 instructions per round trip
-// more than without the clobber, which would only be volatile).
+// Every cross-thread order above is carried by the atomics owner_, busy_ and locked_, with the
+// memory orders stated where they are used. A thread is told apart by its thread pointer
+// (%fs:0, glibc's TCB), which is no shared data and synchronises nothing: it only has to be
+// this thread's, read afresh on every lock (invariant 3: a fiber may have moved threads since
+// its last call). The asm's memory clobber makes it a compiler barrier, so the compiler neither
+// reuses the value nor moves the read across the call in which the fiber switched (5
+// instructions per pingpong_1t round trip).
 //
 // Invariants: owner_ goes kUnbiased -> a thread (by that thread, holding locked_) -> kRevoked
 // (by another, holding locked_), never back; no thread token equals either sentinel; no two
@@ -236,7 +239,7 @@ class BiasedLock {
       busy_.store(false, std::memory_order_release);  // pairs with the revoker's wait
       return;
     }
-    locked_.store(false, std::memory_order_release);
+    locked_.unlock();
   }
   // Different on each live thread, and never kUnbiased or kRevoked; 0 on every thread off
   // x86-64 (then nothing is biased: lock_slow() never makes 0 the owner).
@@ -273,7 +276,7 @@ class BiasedLock {
 #endif
 
   std::atomic<uintptr_t> owner_{kUnbiased};  // see the invariants
-  std::atomic<bool> locked_{false};  // the SpinLock everyone but the owner takes
+  SpinLock locked_;                  // what everyone but the owner takes
   std::atomic<bool> busy_{false};    // owner-written: in (or entering) a plain section
   bool held_plain_ = false;          // GUARDED_BY(this): the holder entered without locked_
   uint32_t streak_ = 0;              // GUARDED_BY(locked_): locks in a row by last_
