@@ -11,6 +11,7 @@
 //   run_on_thread               runs a body on a fresh std::thread (a plain, non-fiber thread),
 //                               under a watchdog, and rethrows what it threw.
 //   wait_for / quiesce          bounded polling.
+//   SpinBarrier                 releases a few threads together (spinning), so their next steps race.
 //
 // Lifetimes: the runtime may still be inside WaitGroup::done() (or any other notify) for a moment
 // after the woken side returned, so objects that fibers touch must outlive those fibers. Bodies
@@ -272,6 +273,33 @@ struct DtorCounter {
   DtorCounter(const DtorCounter&) = delete;
   DtorCounter& operator=(const DtorCounter&) = delete;
   ~DtorCounter() { counter->fetch_add(1, std::memory_order_acq_rel); }
+};
+
+// A barrier for a few threads that spins briefly before it yields, so that they leave it close
+// together.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      gen_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 4096) {
+        __builtin_ia32_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> gen_{0};
 };
 
 }  // namespace fiber_test

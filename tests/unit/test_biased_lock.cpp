@@ -86,33 +86,6 @@ TEST_CASE("BiasedLock: a streak broken by another thread starts over") {
 
 namespace {
 
-// A barrier for a few threads that spins briefly before it yields, so that they leave it close
-// together.
-class SpinBarrier {
- public:
-  explicit SpinBarrier(int n) : n_(n) {}
-  void arrive_and_wait() {
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      gen_.store(gen + 1, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < 4096) {
-        __builtin_ia32_pause();
-      } else {
-        std::this_thread::yield();
-      }
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> arrived_{0};
-  std::atomic<int> gen_{0};
-};
-
 // kLocks locks in turn: the owner thread biases one (kBiasAfter sections), then it and two other
 // threads, released together, take it `passes` times each, so the others' first sections (one
 // revokes) race the owner's plain ones. Every critical section checks it is alone and
@@ -143,7 +116,7 @@ int stress_revocations(int rounds, int passes) {
       x.inside.fetch_sub(1, std::memory_order_relaxed);
       x.lock.unlock();
     };
-    SpinBarrier barrier(kThreads);
+    fiber_test::SpinBarrier barrier(kThreads);
     auto run = [&](bool is_owner) {
       for (auto& x : g) {
         if (is_owner) {

@@ -49,12 +49,18 @@ enum class FiberState : uint8_t { Created, Runnable, Running, Parking, Parked, N
 const char* fiber_state_name(FiberState s) noexcept;
 
 // The claim word of a fiber's current wait:
-//   (generation << 8) | cancel bit | shielded bit | WakeReason.
+//   (generation << 8) | cancel bit | shielded bit | bias bit | local bit | WakeReason.
 // `shielded`: this wait ignores cancellation (fiber_cancel does not claim it, and a pending cancel
 // does not end it early); used where the wait must outlast a cancel, e.g. for a completion that
 // still refers to the fiber's stack.
+// `bias`: the processor the fiber waits on (Fiber::last_processor, of its own scheduler) may
+// claim this wait with a plain load and store; every other thread closes that processor's
+// ClaimGate first (sync/waiter_impl.hpp, claim_wait). Set when the wait starts, never changed.
+// `local`: the claim came from that processor (the streak that earns the bias, prepare_wait).
 struct WakeWord {
-  static constexpr uint64_t kReasonMask = 0x3f;
+  static constexpr uint64_t kReasonMask = 0x07;
+  static constexpr uint64_t kLocalBit = 0x10;
+  static constexpr uint64_t kBiasBit = 0x20;
   static constexpr uint64_t kShieldBit = 0x40;
   static constexpr uint64_t kCancelBit = 0x80;
   uint64_t gen;
@@ -70,12 +76,13 @@ struct WakeWord {
   }
   // On the packed word, for the wait paths (unpack and pack again cost twenty instructions):
   // `v` with its reason replaced (a claim), and the word that starts the next wait (generation
-  // + 1, Pending, the cancel bit kept, the shield bit as given).
+  // + 1, Pending, the cancel bit kept, the shield and bias bits as given).
   static constexpr uint64_t with_reason(uint64_t v, WakeReason r) noexcept {
     return (v & ~kReasonMask) | static_cast<uint64_t>(r);
   }
-  static constexpr uint64_t next_wait(uint64_t v, bool shield) noexcept {
-    return ((v | 0xff) + 1) | (v & kCancelBit) | (shield ? kShieldBit : 0) | static_cast<uint64_t>(WakeReason::Pending);
+  static constexpr uint64_t next_wait(uint64_t v, bool shield, bool bias = false) noexcept {
+    return ((v | 0xff) + 1) | (v & kCancelBit) | (shield ? kShieldBit : 0) | (bias ? kBiasBit : 0) |
+           static_cast<uint64_t>(WakeReason::Pending);
   }
 };
 static_assert(WakeWord::unpack(WakeWord{5, true, WakeReason::Timeout}.pack()).gen == 5);
@@ -89,6 +96,11 @@ static_assert(WakeWord::next_wait(WakeWord{5, true, WakeReason::Timeout, false}.
               WakeWord{6, true, WakeReason::Pending, true}.pack());
 static_assert(WakeWord::next_wait(WakeWord{5, false, WakeReason::Notified, true}.pack(), false) ==
               WakeWord{6, false, WakeReason::Pending, false}.pack());
+static_assert(WakeWord::next_wait(WakeWord{5, false, WakeReason::Notified}.pack() | WakeWord::kBiasBit |
+                                      WakeWord::kLocalBit, false, true) ==
+              (WakeWord{6, false, WakeReason::Pending}.pack() | WakeWord::kBiasBit));
+static_assert(WakeWord::unpack(WakeWord{5, false, WakeReason::Timeout}.pack() | WakeWord::kBiasBit).reason ==
+              WakeReason::Timeout);
 
 // 128 bytes in release builds, two cache lines (runtime.cpp checks): a `go` fiber capturing a
 // pointer fits a 160-byte slot. Hence the bit fields and the 16-bit processor index.
@@ -144,6 +156,11 @@ struct Fiber {
   // then finds this flag and sets the bit again (sync/waiter_impl.hpp, prepare_wait;
   // runtime.cpp, fiber_cancel).
   std::atomic<bool> cancel_requested{false};
+  // Fiber-private (prepare_wait): waits in a row claimed by the processor they were made on
+  // (saturating), and how often a biased wait was claimed from elsewhere anyway (each doubles
+  // the streak the next bias takes; at kMaxClaimRevokes the fiber is never biased again).
+  uint8_t claim_streak = 0;
+  uint8_t claim_revokes = 0;
   static constexpr uint8_t kJoinWaiting = 1;
   static constexpr uint8_t kJoinFinished = 2;
   static constexpr uint8_t kJoinDetached = 3;

@@ -30,6 +30,7 @@
 
 #include "context/stack.hpp"
 #include "io/poller.hpp"
+#include "sched/claim_gate.hpp"
 #include "sched/fiber.hpp"
 #include "sched/injector.hpp"
 #include "sched/local_queue.hpp"
@@ -94,6 +95,8 @@ class Processor {
     Fiber* f = current();
     return f->is_loop ? nullptr : f;
   }
+  // The gate to the plain claims of the waits biased to this processor (sched/claim_gate.hpp).
+  ClaimGate& claim_gate() noexcept { return claim_gate_; }
   RunQueue::Stealer stealer() const noexcept { return stealer_; }
   TimerQueue& timers() noexcept { return timers_; }
   Poller& poller() noexcept { return *poller_; }
@@ -303,6 +306,7 @@ class Processor {
 
   // ---- owner-only state
   alignas(64) Fiber loop_;  // this thread's own stack as a switch target
+  ClaimGate claim_gate_;    // owner-written busy flag; closed by other threads, rarely
   int* errno_ = nullptr;    // this thread's errno (switch_to saves and restores it per fiber)
   EhGlobals* eh_ = nullptr;  // this thread's exception state (likewise: see EhGlobals)
   RunQueue queue_;

@@ -659,12 +659,12 @@ unsigned long long fiber_id(const Fiber* f) noexcept { return f->id; }
 // (waiter_prepare) may overwrite the cancel bit set below, and then finds the flag instead. That
 // is a store-buffering pattern (the fiber: wake_word, then the flag; the cancel: the flag, then
 // wake_word), whose full barriers fiber_cancel_fence supplies on every thread at once: after it,
-// either the fiber's wait began early enough for fiber_cancel_claim's fetch_or to see it, or
+// either the fiber's wait began early enough for fiber_cancel_claim's CAS to see it, or
 // late enough to see the flag.
 void fiber_cancel_mark(Fiber* f) noexcept { f->cancel_requested.store(true, std::memory_order_relaxed); }
 
 bool fiber_cancel_fence() noexcept {
-  if (!plain_wait_start()) return true;  // waits start with a CAS: the fetch_or cannot be lost
+  if (!plain_wait_start()) return true;  // waits start with a CAS: the cancel bit cannot be lost
   return membarrier_heavy_retrying();  // refused: the caller does without
 }
 
@@ -688,14 +688,54 @@ void fiber_cancel_claim(Fiber* f) noexcept {
   if (fiber_cancel_try_claim(f)) unpark(f);
 }
 
-bool fiber_cancel_try_claim(Fiber* f) noexcept {
-  uint64_t cur = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
+namespace {
+
+// The cancel bit set on `cur` and, for a pending wait that is not shielded, the wait claimed as
+// Cancelled. Not waiting, or in a shielded wait: only the bit, which its next (unshielded) wait
+// sees.
+uint64_t cancelled_word(uint64_t cur, bool& claims) noexcept {
+  const WakeWord w = WakeWord::unpack(cur);
+  claims = w.reason == WakeReason::Pending && !w.shielded;
+  const uint64_t marked = cur | WakeWord::kCancelBit;
+  return claims ? WakeWord::with_reason(marked, WakeReason::Cancelled) : marked;
+}
+
+bool is_biased_pending(uint64_t cur) noexcept {
+  return (cur & WakeWord::kBiasBit) != 0 && (cur & WakeWord::kReasonMask) == static_cast<uint64_t>(WakeReason::Pending);
+}
+
+// A pending wait biased to its processor, which could overwrite the bit with a plain claim: set
+// it (and claim) behind that processor's closed gate. If the fiber has moved on to a wait biased
+// to another processor meanwhile, again with that one's.
+[[gnu::noinline]] bool cancel_biased(Fiber* f) noexcept {
   for (;;) {
-    const WakeWord w = WakeWord::unpack(cur);
-    // Not waiting, or in a shielded wait: its next (unshielded) wait sees the bit.
-    if (w.reason != WakeReason::Pending || w.shielded) return false;
-    const WakeWord claimed{w.gen, true, WakeReason::Cancelled, false};
-    if (f->wake_word.compare_exchange_weak(cur, claimed.pack(), std::memory_order_acq_rel)) return true;
+    ClaimGate& gate = wait_processor_gate(f);
+    gate.close();
+    uint64_t cur = f->wake_word.load(std::memory_order_acquire);
+    for (;;) {
+      if (is_biased_pending(cur) && &wait_processor_gate(f) != &gate) break;
+      bool claims = false;
+      const uint64_t desired = cancelled_word(cur, claims);
+      if (desired == cur || f->wake_word.compare_exchange_weak(cur, desired, std::memory_order_acq_rel)) {
+        gate.open();
+        return claims && desired != cur;
+      }
+    }
+    gate.open();
+  }
+}
+
+}  // namespace
+
+bool fiber_cancel_try_claim(Fiber* f) noexcept {
+  // A CAS rather than a fetch_or: it must not land on a biased wait's word outside the gate.
+  uint64_t cur = f->wake_word.load(std::memory_order_acquire);
+  for (;;) {
+    if (is_biased_pending(cur)) [[unlikely]] return cancel_biased(f);
+    bool claims = false;
+    const uint64_t desired = cancelled_word(cur, claims);
+    if (desired == cur) return false;  // the bit already set, nothing to claim
+    if (f->wake_word.compare_exchange_weak(cur, desired, std::memory_order_acq_rel)) return claims;
   }
 }
 

@@ -8,6 +8,8 @@
 
 namespace fiber::detail {
 
+class ClaimGate;
+
 // A block of n process-unique fiber ids (never 0).
 uint64_t allocate_fiber_ids(uint64_t n) noexcept;
 // Runs the fiber's task on its own stack; an escaping exception is stored in task->error.
@@ -45,12 +47,15 @@ inline void throw_if_cancelled(const Fiber* f) {
 // How a fiber's wait starts and a cancel reaches it. True (membarrier(2) registered):
 // waiter_prepare publishes the new wait with a plain store of wake_word, and a cancel pays for
 // the store-buffering fence on both sides with one membarrier (fiber_cancel). False:
-// waiter_prepare uses a CAS, which a concurrent cancel's fetch_or cannot be lost to. Decided
+// waiter_prepare uses a CAS, which a concurrent cancel's CAS of the bit cannot be lost to. Decided
 // (decide_wait_start) before the first scheduler starts its processors, so before any fiber
 // exists, and never changed after: every fiber's waits and cancels agree.
 inline std::atomic<bool> g_plain_wait_start{false};
 void decide_wait_start() noexcept;
 inline bool plain_wait_start() noexcept { return g_plain_wait_start.load(std::memory_order_relaxed); }
+// wait.cpp: the ClaimGate of the processor `f` runs on, or made its pending wait on (of its own
+// scheduler: a fiber runs only on those).
+ClaimGate& wait_processor_gate(const Fiber* f) noexcept;
 // fiber_cancel (fiber/detail/task.hpp) in its three steps, for callers that need not fence for
 // every fiber: stop() marks a batch, fences once, then claims; a fiber that has never run (and
 // is about to, on this thread) cannot be starting a wait, so needs no fence at all.

@@ -29,6 +29,7 @@
 #include "sched/membarrier.hpp"
 #include "sched/processor.hpp"
 #include "sched/runtime.hpp"
+#include "sched/scheduler_impl.hpp"
 #include "sched/timer.hpp"
 #include "sync/waiter_impl.hpp"
 
@@ -188,6 +189,31 @@ WakeReason waiter_wait_until(Waiter& w, ParkReason why, std::chrono::steady_cloc
   const WakeReason r = fiber_wait(w, why);
   entry.queue->remove(&entry);  // the queue it was added to, wherever we resumed
   return r;
+}
+
+// ------------------------------------------------------------------------------ claim bias
+
+ClaimGate& wait_processor_gate(const Fiber* f) noexcept {
+  return f->sched->processor(f->last_processor.load(std::memory_order_acquire)).claim_gate();
+}
+
+bool claim_biased_elsewhere(Waiter& w, WakeReason reason) noexcept {
+  Fiber* f = w.fiber;
+  // Read after claim_wait's acquire load found this wait pending and biased: while it is
+  // pending the fiber has not run since it made it, so this is the processor it was made on.
+  // If a claim ends it meanwhile (and the fiber moves on), the CAS below fails, whichever gate.
+  ClaimGate& gate = wait_processor_gate(f);
+  gate.close();
+  uint64_t cur = f->wake_word.load(std::memory_order_acquire);
+  bool claimed = false;
+  while ((cur >> 8) == w.gen && (cur & WakeWord::kReasonMask) == kWaitPending) {
+    if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason), std::memory_order_acq_rel)) {
+      claimed = true;
+      break;
+    }
+  }
+  gate.open();
+  return claimed;
 }
 
 // ------------------------------------------------------------------------------ biased lock

@@ -29,6 +29,36 @@ void wake_thread_wait(Waiter& w) noexcept;
 
 inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending);
 
+// Claim bias (WakeWord::kBiasBit, sched/claim_gate.hpp). A wait is biased to the processor it
+// is made on once the fiber's last kClaimBiasAfter waits were all claimed there (a channel pair,
+// a sleep loop, a connection's I/O on its ring); each biased wait claimed from elsewhere anyway
+// doubles the streak the next bias takes, and after kMaxClaimRevokes of them the fiber is never
+// biased again, so a fiber woken across threads pays at most three membarriers in its life.
+inline constexpr uint8_t kClaimBiasAfter = 32;
+inline constexpr uint8_t kMaxClaimRevokes = 3;
+
+// Whether `p` (the calling thread's processor, or nullptr) is the one `f` runs on or last ran
+// on: for a fiber in a wait, the processor it made the wait on.
+[[gnu::always_inline]] inline bool is_wait_processor(const Fiber* f, const Processor* p) noexcept {
+  return p != nullptr && f->last_processor.load(std::memory_order_relaxed) == p->index() && f->sched == &p->sched();
+}
+
+// wait.cpp: the claim of a biased wait from a thread other than its processor's, behind that
+// processor's closed gate (wait_processor_gate, sched/runtime.hpp).
+bool claim_biased_elsewhere(Waiter& w, WakeReason reason) noexcept;
+
+// Whether the wait `f` starts now is biased (kClaimBiasAfter), after the last one (`cur`,
+// claimed) was not or was claimed elsewhere. Fiber-private state only.
+inline bool earn_bias(Fiber* f, uint64_t cur) noexcept {
+  if (cur & WakeWord::kLocalBit) {
+    f->claim_streak += f->claim_streak != 0xff;
+  } else {
+    f->claim_streak = 0;
+    if ((cur & WakeWord::kBiasBit) && f->claim_revokes < kMaxClaimRevokes) ++f->claim_revokes;
+  }
+  return f->claim_revokes < kMaxClaimRevokes && f->claim_streak >= (kClaimBiasAfter << f->claim_revokes);
+}
+
 // waiter_prepare / waiter_prepare_shielded.
 [[gnu::always_inline]] inline void prepare_wait(Waiter& w, bool shielded) noexcept {
   Processor* p = current_processor();
@@ -46,7 +76,7 @@ inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending
   f->state.store(FiberState::Parking, std::memory_order_relaxed);
   // Only this fiber changes the generation. Wakers only claim a Pending wait of the current
   // generation, and the previous wait is no longer Pending (it ended by a claim), so nothing
-  // but a cancel's fetch_or of the cancel bit can write the word now.
+  // but a cancel's CAS of the cancel bit can write the word now.
   uint64_t cur = f->wake_word.load(std::memory_order_relaxed);
   // What the plain store below rests on: the previous wait ended with a claim. One still Pending
   // could be claimed by a late waker between the load and the store, and that claim's unpark
@@ -56,8 +86,12 @@ inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending
                  static_cast<unsigned long long>(f->id));
     std::abort();
   }
-  uint64_t next = WakeWord::next_wait(cur, shielded);
   if (plain_wait_start()) [[likely]] {
+    // A biased wait claimed on its processor keeps the bias; anything else counts towards it
+    // (earn_bias).
+    constexpr uint64_t kKept = WakeWord::kBiasBit | WakeWord::kLocalBit;
+    const bool bias = (cur & kKept) == kKept || earn_bias(f, cur);
+    uint64_t next = WakeWord::next_wait(cur, shielded, bias);
     // A plain store (release: a waker that reads the new word sees Parking), which may overwrite
     // the bit of a cancel that came since the load: then the cancel's flag is visible here
     // (fiber_cancel_fence is the other half of the fence), and the bit is set again.
@@ -66,14 +100,19 @@ inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending
     if (f->cancel_requested.load(std::memory_order_relaxed) && !(next & WakeWord::kCancelBit)) [[unlikely]] {
       next = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
     }
+    w.gen = WakeWord::unpack(next).gen;
   } else {
+    uint64_t next = WakeWord::next_wait(cur, shielded);
     while (!f->wake_word.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) next = WakeWord::next_wait(cur, shielded);
+    w.gen = WakeWord::unpack(next).gen;
   }
-  w.gen = WakeWord::unpack(next).gen;
 }
 
-// waiter_claim: one CAS from (gen, Pending) to (gen, reason) on a fiber's wake word, or from
-// Pending to reason | kClaimBusy on a thread's record.
+// waiter_claim: from (gen, Pending) to (gen, reason) on a fiber's wake word, or from Pending to
+// reason | kClaimBusy on a thread's record. One CAS, but for a wait biased to the calling
+// thread's processor: a plain load and store behind its ClaimGate (sched/claim_gate.hpp). Every
+// other claimer of a biased wait closes that gate first (claim_biased_elsewhere). A claim made
+// on the wait's own processor marks the word local, which builds the bias (prepare_wait).
 [[gnu::always_inline]] inline bool claim_wait(Waiter& w, WakeReason reason) noexcept {
   if (w.fiber == nullptr) [[unlikely]] {
     uint8_t expected = kWaitPending;
@@ -82,10 +121,29 @@ inline constexpr uint8_t kWaitPending = static_cast<uint8_t>(WakeReason::Pending
   }
   Fiber* f = w.fiber;
   uint64_t cur = f->wake_word.load(std::memory_order_acquire);
+  if ((cur >> 8) != w.gen || (cur & WakeWord::kReasonMask) != kWaitPending) return false;
+  Processor* p = current_processor();
+  const bool local = is_wait_processor(f, p);
+  if (cur & WakeWord::kBiasBit) {  // this wait's bias (the generation is ours)
+    if (!local) [[unlikely]] return claim_biased_elsewhere(w, reason);
+    if (p->claim_gate().enter()) [[likely]] {
+      // Read again inside, where every write a closer made before reopening is visible:
+      // unchanged, it is still this wait's and pending. Changed (claimed, or a cancel bit set
+      // behind the gate), the CAS below decides.
+      const uint64_t now = f->wake_word.load(std::memory_order_acquire);
+      const bool same = now == cur;
+      if (same) f->wake_word.store(WakeWord::with_reason(cur, reason) | WakeWord::kLocalBit, std::memory_order_release);
+      p->claim_gate().leave();
+      if (same) [[likely]] return true;
+      cur = now;
+    }
+  }
+  const uint64_t mark = local ? WakeWord::kLocalBit : 0;
   for (;;) {
-    const WakeWord ww = WakeWord::unpack(cur);
-    if (ww.gen != w.gen || ww.reason != WakeReason::Pending) return false;
-    if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason), std::memory_order_acq_rel)) return true;
+    if ((cur >> 8) != w.gen || (cur & WakeWord::kReasonMask) != kWaitPending) return false;
+    if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason) | mark, std::memory_order_acq_rel)) {
+      return true;
+    }
   }
 }
 
