@@ -80,6 +80,10 @@ struct WakeWord {
   static constexpr uint64_t with_reason(uint64_t v, WakeReason r) noexcept {
     return (v & ~kReasonMask) | static_cast<uint64_t>(r);
   }
+  // Whether `v` is the word of wait `gen`, still Pending: the only word a claim may change.
+  static constexpr bool pending_wait(uint64_t v, uint64_t gen) noexcept {
+    return (v >> 8) == gen && (v & kReasonMask) == static_cast<uint64_t>(WakeReason::Pending);
+  }
   static constexpr uint64_t next_wait(uint64_t v, bool shield, bool bias = false) noexcept {
     return ((v | 0xff) + 1) | (v & kCancelBit) | (shield ? kShieldBit : 0) | (bias ? kBiasBit : 0) |
            static_cast<uint64_t>(WakeReason::Pending);

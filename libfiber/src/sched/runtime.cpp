@@ -716,9 +716,10 @@ bool is_biased_pending(uint64_t cur) noexcept {
       if (is_biased_pending(cur) && &wait_processor_gate(f) != &gate) break;
       bool claims = false;
       const uint64_t desired = cancelled_word(cur, claims);
+      // desired == cur: the bit was set already, and nothing is claimable (claims is false).
       if (desired == cur || f->wake_word.compare_exchange_weak(cur, desired, std::memory_order_acq_rel)) {
         gate.open();
-        return claims && desired != cur;
+        return claims;
       }
     }
     gate.open();

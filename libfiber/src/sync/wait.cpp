@@ -206,11 +206,8 @@ bool claim_biased_elsewhere(Waiter& w, WakeReason reason) noexcept {
   gate.close();
   uint64_t cur = f->wake_word.load(std::memory_order_acquire);
   bool claimed = false;
-  while ((cur >> 8) == w.gen && (cur & WakeWord::kReasonMask) == kWaitPending) {
-    if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason), std::memory_order_acq_rel)) {
-      claimed = true;
-      break;
-    }
+  while (!claimed && WakeWord::pending_wait(cur, w.gen)) {
+    claimed = f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason), std::memory_order_acq_rel);
   }
   gate.open();
   return claimed;

@@ -86,12 +86,12 @@ inline bool earn_bias(Fiber* f, uint64_t cur) noexcept {
                  static_cast<unsigned long long>(f->id));
     std::abort();
   }
+  uint64_t next;
   if (plain_wait_start()) [[likely]] {
     // A biased wait claimed on its processor keeps the bias; anything else counts towards it
     // (earn_bias).
     constexpr uint64_t kKept = WakeWord::kBiasBit | WakeWord::kLocalBit;
-    const bool bias = (cur & kKept) == kKept || earn_bias(f, cur);
-    uint64_t next = WakeWord::next_wait(cur, shielded, bias);
+    next = WakeWord::next_wait(cur, shielded, (cur & kKept) == kKept || earn_bias(f, cur));
     // A plain store (release: a waker that reads the new word sees Parking), which may overwrite
     // the bit of a cancel that came since the load: then the cancel's flag is visible here
     // (fiber_cancel_fence is the other half of the fence), and the bit is set again.
@@ -100,12 +100,11 @@ inline bool earn_bias(Fiber* f, uint64_t cur) noexcept {
     if (f->cancel_requested.load(std::memory_order_relaxed) && !(next & WakeWord::kCancelBit)) [[unlikely]] {
       next = f->wake_word.fetch_or(WakeWord::kCancelBit, std::memory_order_acq_rel) | WakeWord::kCancelBit;
     }
-    w.gen = WakeWord::unpack(next).gen;
-  } else {
-    uint64_t next = WakeWord::next_wait(cur, shielded);
+  } else {  // never biased: see ClaimGate's invariants
+    next = WakeWord::next_wait(cur, shielded);
     while (!f->wake_word.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) next = WakeWord::next_wait(cur, shielded);
-    w.gen = WakeWord::unpack(next).gen;
   }
+  w.gen = WakeWord::unpack(next).gen;
 }
 
 // waiter_claim: from (gen, Pending) to (gen, reason) on a fiber's wake word, or from Pending to
@@ -121,7 +120,7 @@ inline bool earn_bias(Fiber* f, uint64_t cur) noexcept {
   }
   Fiber* f = w.fiber;
   uint64_t cur = f->wake_word.load(std::memory_order_acquire);
-  if ((cur >> 8) != w.gen || (cur & WakeWord::kReasonMask) != kWaitPending) return false;
+  if (!WakeWord::pending_wait(cur, w.gen)) return false;
   Processor* p = current_processor();
   const bool local = is_wait_processor(f, p);
   if (cur & WakeWord::kBiasBit) {  // this wait's bias (the generation is ours)
@@ -140,7 +139,7 @@ inline bool earn_bias(Fiber* f, uint64_t cur) noexcept {
   }
   const uint64_t mark = local ? WakeWord::kLocalBit : 0;
   for (;;) {
-    if ((cur >> 8) != w.gen || (cur & WakeWord::kReasonMask) != kWaitPending) return false;
+    if (!WakeWord::pending_wait(cur, w.gen)) return false;
     if (f->wake_word.compare_exchange_weak(cur, WakeWord::with_reason(cur, reason) | mark, std::memory_order_acq_rel)) {
       return true;
     }
