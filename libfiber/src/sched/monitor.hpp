@@ -110,6 +110,7 @@ class Monitor {
     int64_t since = 0;              // when the monitor first saw (seq, fiber), steady ns
     int64_t cpu_mark = -1;          // thread CPU time at cpu_mark_at (-1: not taken / unknown)
     int64_t cpu_mark_at = 0;        // 0: not taken yet
+    int64_t spin_mark = 0;          // its spin-waits' total time at cpu_mark_at
     bool stalled = false;           // no switch for `threshold`
     bool decided = false;           // blocked or not has been decided for this stall
     bool blocked = false;           // an incident (reported)
@@ -139,6 +140,10 @@ class Monitor {
   bool work_pending() const noexcept;
   void grow();
   void start_processor(uint32_t index) noexcept;
+
+  // A spin-wait for a preempted thread is reported once it has lasted this many thresholds
+  // (decide()): longer than a preemption lasts on a loaded machine, sooner than a user looks.
+  static constexpr int64_t kSpinWaitReportAfter = 16;
 
   SchedulerImpl& sched_;
   const int64_t interval_ns_;

@@ -147,6 +147,14 @@ int64_t Processor::thread_cpu_ns() const noexcept {
   return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
+void spin_wait_begin() noexcept {
+  if (Processor* p = current_processor()) p->begin_spin_wait();
+}
+
+void spin_wait_end() noexcept {
+  if (Processor* p = current_processor()) p->end_spin_wait();
+}
+
 void* install_overflow_handler_on_this_thread() noexcept;  // overflow.cpp
 void remove_overflow_altstack(void* mem) noexcept;
 

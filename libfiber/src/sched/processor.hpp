@@ -113,6 +113,21 @@ class Processor {
   int os_tid() const noexcept { return tid_.load(std::memory_order_relaxed); }
   // CPU time its thread has used, in ns; -1 if unknown (not running).
   int64_t thread_cpu_ns() const noexcept;
+  // Its thread's spin-waits for a preempted thread (spin_wait_begin in detail/wait.hpp): since
+  // when (steady_now_ns()) it has been in one, 0 if it is not; and their total time so far, the
+  // current one's included, as of `now`. See spin_wait_since_.
+  int64_t spin_wait_since() const noexcept { return spin_wait_since_.load(std::memory_order_acquire); }
+  int64_t spin_wait_total(int64_t now) const noexcept {
+    const int64_t since = spin_wait_since();
+    return spin_wait_total_.load(std::memory_order_acquire) + (since != 0 && now > since ? now - since : 0);
+  }
+  void begin_spin_wait() noexcept { spin_wait_since_.store(steady_now_ns(), std::memory_order_release); }
+  void end_spin_wait() noexcept {
+    const int64_t since = spin_wait_since_.load(std::memory_order_relaxed);
+    spin_wait_total_.store(spin_wait_total_.load(std::memory_order_relaxed) + (steady_now_ns() - since),
+                           std::memory_order_release);
+    spin_wait_since_.store(0, std::memory_order_release);
+  }
   // Takes the fiber waiting in the LIFO slot, if any (the monitor moves it to the injector
   // while this processor is blocked).
   Fiber* steal_lifo() noexcept;
@@ -371,6 +386,12 @@ class Processor {
   std::atomic<bool> shutdown_{false};
   std::atomic<Life> life_{Life::Stopped};
   std::atomic<int> tid_{0};            // OS thread id while running
+  // Written only by its own thread, around a spin-wait's yield phase (the total first, then
+  // since_ cleared); read by the monitor, since_ first. A reading between the two stores counts
+  // the wait that just ended twice: the monitor then takes up to that wait's length more of the
+  // thread's CPU time for waiting, which it was.
+  std::atomic<int64_t> spin_wait_since_{0};
+  std::atomic<int64_t> spin_wait_total_{0};
   std::atomic<int> cpu_clock_{0};      // its CPU-time clock (a clockid_t) while running
   std::thread thread_;
 };

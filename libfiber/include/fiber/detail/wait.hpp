@@ -153,18 +153,27 @@ Deadline to_deadline(const std::chrono::time_point<Clock, Duration>& tp) noexcep
   }
 }
 
+// Marks the calling thread's processor (none on a plain thread: no effect) as waiting for
+// another thread to finish a few instructions it was preempted in, for the watchdog: such a
+// processor is not running its fiber's code, whatever CPU time the yields cost. Not nested.
+FIBER_API void spin_wait_begin() noexcept;
+FIBER_API void spin_wait_end() noexcept;
+
 // Waits until done() for something another thread finishes in a few instructions: spins
 // briefly; past that the thread was probably preempted (more threads than cores), so gives it
-// the CPU rather than burn our time slice.
+// the CPU rather than burn our time slice, and tells the watchdog so (spin_wait_begin).
 template <typename Done>
 void spin_until(Done done) noexcept {
-  for (int spins = 0; !done(); ++spins) {
-    if (spins < 128) {
-      __builtin_ia32_pause();
-    } else {
-      sched_yield();
-    }
+  for (int spins = 0; spins < 128; ++spins) {
+    if (done()) return;
+    __builtin_ia32_pause();
   }
+  if (done()) return;
+  spin_wait_begin();
+  do {
+    sched_yield();
+  } while (!done());
+  spin_wait_end();
 }
 
 // A tiny spinlock for wait-queue state: held for a few instructions, never across a switch.
