@@ -287,10 +287,17 @@ TEST_CASE("watchdog: a runtime spin-wait for a preempted thread is rescued, and 
     });
     const unsigned long long id = h.id();
     REQUIRE(wait_for([&] { return waiting.load(); }));
-    // Four thresholds into the wait: its queued fiber was rescued, and nothing was reported.
+    const auto started = Clock::now();
+    // Four thresholds into the wait nothing was reported - if this thread woke well before the
+    // sixteen (it may not, on a loaded machine) - and its queued fiber was rescued.
     std::this_thread::sleep_for(4 * threshold);
+    const std::size_t early_incidents = s.blocked_incidents();
+    if (Clock::now() - started < 12 * threshold) {
+      CHECK_MESSAGE(early_incidents == 0, reports.dump());
+    } else {
+      MESSAGE("woke too late to look for an early report");
+    }
     CHECK_MESSAGE(wait_for([&] { return child_ran.load(); }), "the spin-waiting processor's LIFO slot was not rescued");
-    CHECK_MESSAGE(s.blocked_incidents() == 0, reports.dump());
     // Sixteen thresholds into it, a window that long open is a runtime bug, and said to be one.
     const bool reported = wait_for([&] { return reports.find(id).has_value(); }, 30'000ms);
     release.store(true, std::memory_order_release);

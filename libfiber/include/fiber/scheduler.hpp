@@ -47,8 +47,9 @@ struct BlockedReport {
   std::size_t queued = 0;                // fibers queued on that processor when it was noticed
   // What its thread was doing, from /proc: "blocked in system call read (#0, first argument 3)
   // at 0x...: libc.so.6 (syscall+0x19)", "running, not in a system call (11.6 ms of CPU in the
-  // last 11.7 ms, 0.0 ms in spin-waits)", ...; empty if /proc is unavailable. No backtrace (the stack belongs to a
-  // thread that is running or inside a call; see the README): use thread_id with gdb/eu-stack.
+  // last 11.7 ms, 0.0 ms of it in spin-waits)", ...; empty if /proc is unavailable. No
+  // backtrace (the stack belongs to a thread that is running or inside a call; see the
+  // README): use thread_id with gdb/eu-stack.
   std::string_view where;
 };
 

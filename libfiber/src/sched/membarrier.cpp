@@ -1,6 +1,8 @@
 // See membarrier.hpp.
 #include "sched/membarrier.hpp"
 
+#include "fiber/detail/wait.hpp"
+
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -30,11 +32,15 @@ bool membarrier_heavy() noexcept { return false; }
 #endif
 
 bool membarrier_heavy_retrying() noexcept {
-  for (int i = 0; i < 64; ++i) {
-    if (membarrier_heavy()) return true;
+  if (membarrier_heavy()) return true;
+  spin_wait_begin();  // the yields below are the runtime's, not the current fiber's (see monitor.cpp)
+  bool done = false;
+  for (int i = 1; i < 64 && !done; ++i) {
     std::this_thread::yield();
+    done = membarrier_heavy();
   }
-  return false;
+  spin_wait_end();
+  return done;
 }
 
 void full_fence() noexcept {

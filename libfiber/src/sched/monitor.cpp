@@ -293,7 +293,7 @@ Monitor::Pace Monitor::sample(int64_t now) {
     if (w.cpu_mark_at == 0 && ran >= threshold_ns_ / 4) {
       w.cpu_mark = p.thread_cpu_ns();
       w.cpu_mark_at = now;
-      w.spin_mark = p.spin_wait_total(now);
+      w.spin_mark = w.cpu_mark < 0 ? 0 : p.spin_wait_cpu(w.cpu_mark);
     }
     if (ran < threshold_ns_) continue;
     if (!w.stalled) {
@@ -340,17 +340,24 @@ bool Monitor::decide(Processor& p, Watch& w, int64_t now, std::string& where) {
   // a finishing one's, a wait-queue lock's), when there are more threads than CPUs: like a thread
   // waiting for a CPU, not blocked by its fiber, though its yields use CPU time (which would
   // make it pass for a CPU loop) and are system calls. Looked at again on the next sample. A
-  // window still open far longer than a preemption lasts is a runtime bug: that is reported.
+  // window still open far longer than a preemption lasts is reported: a runtime bug, or a
+  // blocking call of the user's inside one (a park's window holds a user lock's unlock()).
   if (const int64_t since = p.spin_wait_since(); since != 0) {
     const int64_t spun = now - since;
     if (spun < kSpinWaitReportAfter * threshold_ns_) return false;
     std::snprintf(buf, sizeof buf,
-                  "in the runtime's spin-wait for %.1f ms for another thread's few instructions (a runtime bug)",
+                  "in the runtime's spin-wait for %.1f ms for another thread's few instructions (a runtime bug, "
+                  "or a blocking call in that window)",
                   static_cast<double>(spun) / 1e6);
     where = buf;
     return true;
   }
-  const ThreadProbe t = probe_thread(p.os_tid());
+  ThreadProbe t = probe_thread(p.os_tid());
+  const int64_t cpu = p.thread_cpu_ns();
+  // A spin-wait begun since the look above: the probe may have caught one of its yields.
+  if (p.spin_wait_since() != 0) return false;
+  // A yield never blocks: judged by CPU time, as a thread running (a CPU loop that yields).
+  if (t.kind == ThreadProbe::InSyscall && t.nr == SYS_sched_yield) t.kind = ThreadProbe::Running;
   switch (t.kind) {
     case ThreadProbe::InSyscall:
       std::snprintf(buf, sizeof buf, "blocked in system call %s (#%ld, first argument %lu)", syscall_name(t.nr), t.nr,
@@ -364,21 +371,20 @@ bool Monitor::decide(Processor& p, Watch& w, int64_t now, std::string& where) {
     case ThreadProbe::Unknown:
       break;
   }
-  const int64_t cpu = p.thread_cpu_ns();
   if (cpu < 0 || w.cpu_mark < 0) {
     where = t.kind == ThreadProbe::Running ? "running, not in a system call" : "";
     return true;  // cannot tell a preempted thread from a busy one: count it
   }
   // Busy: at least a quarter of the threshold in CPU time since the mark (a third of the time
-  // from the mark to the threshold), less the time spent in spin-waits since (see above: a
-  // fiber may go from one to the next without a switch, joining fibers that finish on a
-  // preempted thread). A thread waiting for a CPU (preempted, its cgroup throttled) uses next
-  // to none; it is looked at again on the next sample.
+  // from the mark to the threshold), less what spin-waits used since (see above: a fiber may go
+  // from one to the next without a switch, joining fibers that finish on a preempted thread).
+  // A thread waiting for a CPU (preempted, its cgroup throttled) uses next to none; it is looked
+  // at again on the next sample.
   const int64_t used = cpu - w.cpu_mark;
-  const int64_t spun = p.spin_wait_total(now) - w.spin_mark;
+  const int64_t spun = std::min(std::max<int64_t>(p.spin_wait_cpu(cpu) - w.spin_mark, 0), std::max<int64_t>(used, 0));
   if ((used - spun) * 4 < threshold_ns_) return false;
   std::snprintf(buf, sizeof buf,
-                "running, not in a system call (%.1f ms of CPU in the last %.1f ms, %.1f ms in spin-waits)",
+                "running, not in a system call (%.1f ms of CPU in the last %.1f ms, %.1f ms of it in spin-waits)",
                 static_cast<double>(used) / 1e6, static_cast<double>(now - w.cpu_mark_at) / 1e6,
                 static_cast<double>(spun) / 1e6);
   where = buf;

@@ -114,20 +114,16 @@ class Processor {
   // CPU time its thread has used, in ns; -1 if unknown (not running).
   int64_t thread_cpu_ns() const noexcept;
   // Its thread's spin-waits for a preempted thread (spin_wait_begin in detail/wait.hpp): since
-  // when (steady_now_ns()) it has been in one, 0 if it is not; and their total time so far, the
-  // current one's included, as of `now`. See spin_wait_since_.
-  int64_t spin_wait_since() const noexcept { return spin_wait_since_.load(std::memory_order_acquire); }
-  int64_t spin_wait_total(int64_t now) const noexcept {
-    const int64_t since = spin_wait_since();
-    return spin_wait_total_.load(std::memory_order_acquire) + (since != 0 && now > since ? now - since : 0);
+  // when (steady_now_ns()) it has been in one, 0 if it is not; and the thread CPU time they have
+  // used, the open one's up to `cpu` included, for `cpu` a thread_cpu_ns() reading taken now.
+  int64_t spin_wait_since() const noexcept { return spin_wait_since_.load(std::memory_order_relaxed); }
+  int64_t spin_wait_cpu(int64_t cpu) const noexcept {
+    const int64_t v = spin_cpu_.load(std::memory_order_relaxed);
+    return (v >> 1) + ((v & 1) != 0 ? cpu : 0);
   }
-  void begin_spin_wait() noexcept { spin_wait_since_.store(steady_now_ns(), std::memory_order_release); }
-  void end_spin_wait() noexcept {
-    const int64_t since = spin_wait_since_.load(std::memory_order_relaxed);
-    spin_wait_total_.store(spin_wait_total_.load(std::memory_order_relaxed) + (steady_now_ns() - since),
-                           std::memory_order_release);
-    spin_wait_since_.store(0, std::memory_order_release);
-  }
+  // Its own thread, around a spin-wait's yields.
+  void begin_spin_wait() noexcept;
+  void end_spin_wait() noexcept;
   // Takes the fiber waiting in the LIFO slot, if any (the monitor moves it to the injector
   // while this processor is blocked).
   Fiber* steal_lifo() noexcept;
@@ -386,12 +382,14 @@ class Processor {
   std::atomic<bool> shutdown_{false};
   std::atomic<Life> life_{Life::Stopped};
   std::atomic<int> tid_{0};            // OS thread id while running
-  // Written only by its own thread, around a spin-wait's yield phase (the total first, then
-  // since_ cleared); read by the monitor, since_ first. A reading between the two stores counts
-  // the wait that just ended twice: the monitor then takes up to that wait's length more of the
-  // thread's CPU time for waiting, which it was.
+  // Written only by its own thread, around a spin-wait's yields; read by the monitor. Relaxed:
+  // each is one word read whole, and nothing else is published through them. spin_cpu_ is
+  // 2 * a + open: closed, `a` is the thread CPU time of the waits so far; open, it is that total
+  // less the CPU clock at the wait's start, so that a + the clock now is the total now - one
+  // word, no torn pair. A reader's clock reading and its load of the word differ by the
+  // thread's CPU time between the two, microseconds.
   std::atomic<int64_t> spin_wait_since_{0};
-  std::atomic<int64_t> spin_wait_total_{0};
+  std::atomic<int64_t> spin_cpu_{0};
   std::atomic<int> cpu_clock_{0};      // its CPU-time clock (a clockid_t) while running
   std::thread thread_;
 };
