@@ -293,7 +293,7 @@ Monitor::Pace Monitor::sample(int64_t now) {
     if (w.cpu_mark_at == 0 && ran >= threshold_ns_ / 4) {
       w.cpu_mark = p.thread_cpu_ns();
       w.cpu_mark_at = now;
-      w.spin_mark = w.cpu_mark < 0 ? 0 : p.spin_wait_cpu(w.cpu_mark);
+      w.spin_mark = p.spin_wait_cpu(w.cpu_mark);
     }
     if (ran < threshold_ns_) continue;
     if (!w.stalled) {
@@ -381,7 +381,7 @@ bool Monitor::decide(Processor& p, Watch& w, int64_t now, std::string& where) {
   // A thread waiting for a CPU (preempted, its cgroup throttled) uses next to none; it is looked
   // at again on the next sample.
   const int64_t used = cpu - w.cpu_mark;
-  const int64_t spun = std::min(std::max<int64_t>(p.spin_wait_cpu(cpu) - w.spin_mark, 0), std::max<int64_t>(used, 0));
+  const int64_t spun = std::clamp<int64_t>(p.spin_wait_cpu(cpu) - w.spin_mark, 0, std::max<int64_t>(used, 0));
   if ((used - spun) * 4 < threshold_ns_) return false;
   std::snprintf(buf, sizeof buf,
                 "running, not in a system call (%.1f ms of CPU in the last %.1f ms, %.1f ms of it in spin-waits)",

@@ -110,7 +110,7 @@ class Monitor {
     int64_t since = 0;              // when the monitor first saw (seq, fiber), steady ns
     int64_t cpu_mark = -1;          // thread CPU time at cpu_mark_at (-1: not taken / unknown)
     int64_t cpu_mark_at = 0;        // 0: not taken yet
-    int64_t spin_mark = 0;          // its spin-waits' total time at cpu_mark_at
+    int64_t spin_mark = 0;          // the CPU time its spin-waits had used at cpu_mark_at
     bool stalled = false;           // no switch for `threshold`
     bool decided = false;           // blocked or not has been decided for this stall
     bool blocked = false;           // an incident (reported)

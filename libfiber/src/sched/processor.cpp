@@ -147,23 +147,15 @@ int64_t Processor::thread_cpu_ns() const noexcept {
   return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
-namespace {
-int64_t own_thread_cpu_ns() noexcept {
-  timespec ts;
-  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-}  // namespace
-
 void Processor::begin_spin_wait() noexcept {
   const int64_t closed = spin_cpu_.load(std::memory_order_relaxed) >> 1;
-  spin_cpu_.store((closed - own_thread_cpu_ns()) * 2 + 1, std::memory_order_relaxed);
+  spin_cpu_.store((closed - thread_cpu_ns()) * 2 + 1, std::memory_order_relaxed);
   spin_wait_since_.store(steady_now_ns(), std::memory_order_relaxed);
 }
 
 void Processor::end_spin_wait() noexcept {
   const int64_t open = spin_cpu_.load(std::memory_order_relaxed) >> 1;
-  spin_cpu_.store((open + own_thread_cpu_ns()) * 2, std::memory_order_relaxed);
+  spin_cpu_.store((open + thread_cpu_ns()) * 2, std::memory_order_relaxed);
   spin_wait_since_.store(0, std::memory_order_relaxed);
 }
 
