@@ -24,9 +24,18 @@ namespace {
 std::atomic<unsigned long long> g_alpha{0}, g_beta{0}, g_gamma{0}, g_delta{0};
 std::atomic<bool> g_delta_go{true};
 
+// Called, not inlined, from park_here_alpha: so that frame's pc is a call made outside any
+// inlined function, which below_inline.py needs (the library's own parking frames have their
+// switch inline).
+__attribute__((noinline)) std::optional<int> recv_in_alpha(fiber::Channel<int>& ch) {
+  auto v = ch.recv();  // nobody sends
+  asm volatile("" ::: "memory");
+  return v;
+}
+
 __attribute__((noinline)) void park_here_alpha(fiber::Channel<int>& ch) {
   g_alpha = fiber::this_fiber::id();
-  auto v = ch.recv();  // nobody sends
+  auto v = recv_in_alpha(ch);
   asm volatile("" ::: "memory");
   std::printf("alpha got %d\n", v ? *v : -1);
 }

@@ -220,6 +220,7 @@ class Processor {
 
   static SwitchMsg prepare_switch(Processor* p, Fiber* from, Fiber* to, After action) noexcept;
   static Processor* switch_to(Processor* p, Fiber* from, Fiber* to, After action) noexcept;
+  static Processor* switch_inline(Processor* p, Fiber* from, Fiber* to, After action) noexcept;  // switch_to, inline
   static Processor* complete_switch(Transfer t) noexcept;
   [[noreturn]] static void fiber_main(Transfer t) noexcept;
   FIBER_TSAN_OUT_OF_LINE static SwitchMsg fiber_body(Transfer t) noexcept;
