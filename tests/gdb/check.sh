@@ -120,7 +120,7 @@ check_output() {  # check_output WHAT FILE
   expect "$what" "$f" missing "no started fiber #987654321"
   # options go through; an optimised build may name a specialised clone of switch_to, and a
   # park has it inline (switch_inline, whose arguments gdb lists last to first)
-  expect "$what" "$f" count "^#1  fiber::detail::Processor::switch_(to|inline)(\(.*\) \[clone [^]]+\])? \(([a-z]+=\.\.\.(, )?){4}\) at "
+  expect "$what" "$f" count "^#1  fiber::detail::Processor::(switch_to(\(.*\) \[clone [^]]+\])? \(p=\.\.\., from=\.\.\., to=\.\.\., action=\.\.\.\)|switch_inline \(action=\.\.\., to=\.\.\., from=\.\.\., p=\.\.\.\)) at "
   reject "$what" "$f" count "^#2 |park_here_alpha"
   # The thread's own backtrace is back to normal afterwards.
   expect "$what" "$f" thread-bt "^#[0-9]+ .*main \(\) at .*gdb_target\.cpp"

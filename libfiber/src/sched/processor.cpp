@@ -725,18 +725,23 @@ bool Processor::maintenance() noexcept {
 // For a park (kParking), only the cheap picks: the LIFO slot and the local queue. Everything
 // else - the engine, timers and inbox, the injector, steals - the loop does, after the switch has
 // published the fiber as Parked. A waker on another thread that finds it still Parking waits for
-// that (unpark), so its window stays short. A due tick is left for the loop's own find_work.
+// that (unpark), so its window stays short. A due tick (an event tick, or the injector's turn
+// with fibers in it) is left for the loop's own find_work.
 //
-// The injector's turn, when it finds the injector empty (nearly always, with a processor's
-// fibers waking each other), is taken here: that read is all next_local() would make of it.
-// It went through the loop on every kGlobalInterval-th park of a channel ping-pong, a switch
-// there and back (pingpong_1t: 824 -> 807 instructions per round trip).
+// The injector's turn with the injector empty (nearly always, with a processor's fibers waking
+// each other) is taken here: that read is all next_local() would make of it. It went through
+// the loop on every kGlobalInterval-th park of a channel ping-pong, a switch there and back
+// (pingpong_1t: 824 -> 807 instructions per round trip).
 template <bool kParking>
 [[gnu::always_inline]] inline Fiber* Processor::find_work() noexcept {
   const uint32_t tick = tick_ + 1;
   bool routine = (tick & (kEventInterval - 1)) != 0 && !searching_;
   if (routine && injector_due(tick)) [[unlikely]] {
-    if (sched_.injector().empty()) last_injector_tick_ = tick; else routine = false;
+    if (sched_.injector().empty()) {
+      last_injector_tick_ = tick;
+    } else {
+      routine = false;
+    }
   }
   if constexpr (kParking) {
     if (!routine) [[unlikely]] return nullptr;
